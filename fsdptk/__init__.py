@@ -1,0 +1,43 @@
+"""fsdptk: composable, memory-lean helpers for PyTorch FSDP2 training loops.
+
+Public names are imported lazily (PEP 562), so ``import fsdptk`` stays fast and quiet and never
+imports torchao; the first attribute access loads the module that defines it.
+
+Example:
+    >>> import fsdptk
+    >>> fsdptk.get_distributed_backend("cpu")
+    'gloo'
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# public name -> submodule (relative to fsdptk) that defines it
+_LAZY: dict[str, str] = {
+    # runtime
+    "is_distributed": "runtime",
+    "get_world_size_and_rank": "runtime",
+    "get_distributed_backend": "runtime",
+    "set_torch_num_threads": "runtime",
+    "validate_no_params_on_meta_device": "runtime",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'fsdptk' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"fsdptk.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = sorted(_LAZY)  # noqa: PLE0605 (names resolved lazily by __getattr__)

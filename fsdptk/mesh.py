@@ -1,0 +1,220 @@
+"""Parallelism degrees -> a named DeviceMesh, and the sub-meshes FSDP and tensor parallel use.
+
+:class:`ParallelDims` holds three degrees: ``dp_replicate`` (HSDP replica groups), ``dp_shard``
+(FSDP shard groups) and ``tp`` (tensor parallel). Their product must be the world size; one
+``dp_shard=-1`` is inferred. :meth:`ParallelDims.build_mesh` builds the mesh once and then
+:attr:`~ParallelDims.fsdp_mesh` / :attr:`~ParallelDims.tp_mesh` hand out the right slices.
+
+Mesh layout (outermost to innermost, as torchtitan): ``dp_replicate``, ``dp_shard``, ``tp``. TP is
+innermost so that its ranks are adjacent (the same host), where its many small collectives are
+cheapest; replicas are outermost so that the rarer HSDP all-reduce crosses hosts.
+
+Which dims the mesh has:
+    - ``dp_replicate`` and ``tp`` only when their degree is > 1;
+    - ``dp_shard`` always, even with degree 1: FSDP needs a shard dim to run over, so a
+      replicate-only (DDP-like HSDP with shards of size 1) or a TP-only layout still composes with
+      ``shard_model``, and an all-ones layout is a 1-D mesh of size 1 named ``dp_shard``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdptk.runtime import get_world_size_and_rank
+
+__all__ = ["ParallelDims"]
+
+_log = logging.getLogger(__name__)
+
+_DIM_ORDER = ("dp_replicate", "dp_shard", "tp")
+
+
+def _check_degree(name: str, value: object, *, allow_infer: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value >= 1 or (allow_infer and value == -1):
+        return
+    allowed = ">= 1 or -1 (inferred)" if allow_infer else ">= 1"
+    raise ValueError(f"{name} must be {allowed}, got {value}")
+
+
+@dataclass
+class ParallelDims:
+    """Degrees of data parallelism (replicate x shard) and tensor parallelism.
+
+    ``dp_replicate * dp_shard * tp`` must equal the world size. ``dp_shard=-1`` (the default) takes
+    whatever the other degrees leave. After construction every degree is a positive int.
+
+    Args:
+        dp_replicate: number of HSDP replica groups (1: plain FSDP).
+        dp_shard: ranks each parameter is sharded over; ``-1`` infers it from the others.
+        tp: tensor-parallel degree.
+        world_size: total number of ranks; ``None`` reads it from the default process group (1 when
+            there is none).
+
+    Raises:
+        TypeError: when a degree is not an int.
+        ValueError: when a degree is < 1 (other than ``dp_shard=-1``), when ``dp_shard=-1`` cannot
+            be inferred exactly, or when the product is not the world size; the message names every
+            degree and the world size.
+
+    Example:
+        >>> from fsdptk import ParallelDims
+        >>> dims = ParallelDims(dp_replicate=2, dp_shard=-1, tp=2, world_size=8)
+        >>> (dims.dp_replicate, dims.dp_shard, dims.tp)
+        (2, 2, 2)
+        >>> dims.mesh_shape, dims.mesh_dim_names
+        ((2, 2, 2), ('dp_replicate', 'dp_shard', 'tp'))
+        >>> ParallelDims(dp_shard=3, world_size=4)
+        Traceback (most recent call last):
+        ...
+        ValueError: dp_replicate (1) * dp_shard (3) * tp (1) = 3 != world size (4)
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    world_size: int | None = None
+    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_degree("dp_replicate", self.dp_replicate, allow_infer=False)
+        _check_degree("dp_shard", self.dp_shard, allow_infer=True)
+        _check_degree("tp", self.tp, allow_infer=False)
+        if self.world_size is None:
+            self.world_size = get_world_size_and_rank()[0]
+        _check_degree("world_size", self.world_size, allow_infer=False)
+        degrees = (
+            f"dp_replicate ({self.dp_replicate}) * dp_shard ({self.dp_shard}) * tp ({self.tp})"
+        )
+        if self.dp_shard == -1:
+            others = self.dp_replicate * self.tp
+            if self.world_size % others:
+                raise ValueError(
+                    f"cannot infer dp_shard: world size ({self.world_size}) is not divisible by "
+                    f"{degrees.replace(' * dp_shard (-1)', '')} = {others}"
+                )
+            self.dp_shard = self.world_size // others
+        product = self.dp_replicate * self.dp_shard * self.tp
+        if product != self.world_size:
+            raise ValueError(f"{degrees} = {product} != world size ({self.world_size})")
+
+    # -- facts --------------------------------------------------------------------------------
+    @property
+    def dp_degree(self) -> int:
+        """Number of data-parallel ranks (``dp_replicate * dp_shard``): divide the batch by it."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        """True when FSDP runs as HSDP (``dp_replicate > 1``): its mesh is 2-D."""
+        return self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        """True when ``tp > 1``."""
+        return self.tp > 1
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """The dims :meth:`build_mesh` creates, outermost first (see the module docstring)."""
+        sizes = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        return tuple(n for n in _DIM_ORDER if n == "dp_shard" or sizes[n] > 1)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """Sizes of :attr:`mesh_dim_names`, in the same order."""
+        return tuple(getattr(self, n) for n in self.mesh_dim_names)
+
+    # -- the mesh -----------------------------------------------------------------------------
+    def build_mesh(self, device_type: str = "cuda") -> DeviceMesh:
+        """Build (once) and return the world DeviceMesh with named dims.
+
+        Collective: every rank must call it. A second call returns the same mesh.
+
+        Args:
+            device_type: ``"cuda"``, ``"cpu"``, ... the device type of the mesh.
+
+        Returns:
+            DeviceMesh: shape :attr:`mesh_shape`, dims :attr:`mesh_dim_names`.
+
+        Raises:
+            RuntimeError: when no default process group is initialised.
+            ValueError: when the process group's world size is not :attr:`world_size`, or when the
+                mesh was already built for another device type.
+
+        Example:
+            >>> dims = ParallelDims(dp_replicate=2, dp_shard=2)  # doctest: +SKIP
+            >>> mesh = dims.build_mesh("cuda")  # doctest: +SKIP
+            >>> mesh.mesh_dim_names  # doctest: +SKIP
+            ('dp_replicate', 'dp_shard')
+        """
+        if self._mesh is not None:
+            if self._mesh.device_type != device_type:
+                raise ValueError(
+                    f"the mesh was already built for device type {self._mesh.device_type!r}, "
+                    f"not {device_type!r}"
+                )
+            return self._mesh
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "ParallelDims.build_mesh needs an initialised default process group: call "
+                "torch.distributed.init_process_group(...) first (torchrun sets up the environment)"
+            )
+        pg_size = dist.get_world_size()
+        if pg_size != self.world_size:
+            raise ValueError(
+                f"the process group has {pg_size} ranks but ParallelDims was built for world size "
+                f"{self.world_size} (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, "
+                f"tp={self.tp})"
+            )
+        self._mesh = init_device_mesh(
+            device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names
+        )
+        if dist.get_rank() == 0:
+            _log.info(
+                "Built %s device mesh %s with dims %s",
+                device_type, self.mesh_shape, self.mesh_dim_names,
+            )
+        return self._mesh
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The mesh from :meth:`build_mesh`; RuntimeError when it was not built yet."""
+        if self._mesh is None:
+            raise RuntimeError("call ParallelDims.build_mesh(device_type) before using its meshes")
+        return self._mesh
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh:
+        """The mesh to pass to ``shard_model(dp_mesh=...)`` / ``fully_shard(mesh=...)``.
+
+        1-D ``dp_shard`` for FSDP, 2-D ``(dp_replicate, dp_shard)`` for HSDP (FSDP2 replicates over
+        dim 0 and shards over dim 1).
+        """
+        if self.hsdp_enabled:
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.mesh["dp_shard"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        """The 1-D ``tp`` mesh for tensor parallel; ValueError when ``tp == 1``."""
+        if not self.tp_enabled:
+            raise ValueError(
+                f"there is no TP mesh: tp=1 (dp_replicate={self.dp_replicate}, "
+                f"dp_shard={self.dp_shard}); check ParallelDims.tp_enabled first"
+            )
+        return self.mesh["tp"]
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index among the :attr:`dp_degree` data-parallel ranks (for data sampling)."""
+        mesh = self.mesh
+        rank = mesh.get_local_rank("dp_shard")
+        if self.hsdp_enabled:
+            rank += mesh.get_local_rank("dp_replicate") * self.dp_shard
+        return rank

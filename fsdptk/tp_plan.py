@@ -1,0 +1,339 @@
+"""Tensor-parallel plans built from rules over module FQNs, and a ready rule set for Llama blocks.
+
+A plan is what ``parallelize_module`` (or :func:`fsdptk.apply_tp`) takes: ``{fqn: ParallelStyle}``.
+Writing one by hand means listing every layer; :func:`tp_plan` builds it from ordered rules
+(a glob over the FQN, or a ``(name, module) -> bool`` predicate such as those in
+``fsdptk.predicates``), and :func:`llama_tp_plan` knows Llama-style blocks under both naming
+schemes (Meta/torchtitan ``wq/wk/wv/wo/w1/w2/w3``, Hugging Face ``q_proj/.../down_proj``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from fnmatch import fnmatchcase
+from typing import Any, Union
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["tp_plan", "llama_tp_plan", "ReplicatedKVColwise", "GatherSequence", "LLAMA_NAMES"]
+
+Pattern = Union[str, Callable[[str, nn.Module], bool]]
+
+# role -> leaf names, for Llama-style blocks (Meta/torchtitan, torchtune, Hugging Face)
+LLAMA_NAMES: dict[str, tuple[str, ...]] = {
+    "q": ("wq", "q_proj"),
+    "k": ("wk", "k_proj"),
+    "v": ("wv", "v_proj"),
+    "o": ("wo", "o_proj", "output_proj"),
+    "gate": ("w1", "gate_proj"),
+    "up": ("w3", "up_proj"),
+    "down": ("w2", "down_proj"),
+    "embedding": ("tok_embeddings", "embed_tokens"),
+    "output": ("output", "lm_head"),
+}
+
+
+def _describe(pattern: Pattern) -> str:
+    return repr(pattern) if isinstance(pattern, str) else getattr(pattern, "__name__", repr(pattern))
+
+
+def _matches(pattern: Pattern, fqn: str, module: nn.Module) -> bool:
+    if isinstance(pattern, str):
+        return fnmatchcase(fqn, pattern)
+    return bool(pattern(fqn, module))
+
+
+def tp_plan(
+    model: nn.Module,
+    rules: Mapping[str, ParallelStyle] | Iterable[tuple[Pattern, ParallelStyle]],
+    *,
+    allow_unmatched: bool = False,
+) -> dict[str, ParallelStyle]:
+    """Build a ``parallelize_module`` plan (exact FQN -> style) from ordered rules.
+
+    Each module of ``model`` (the root is ``""``) gets the style of the FIRST rule that matches
+    it; later rules never override. A string pattern is an ``fnmatch`` glob over the whole FQN
+    (``*`` also crosses dots: ``"*.wq"`` matches ``"layers.3.attention.wq"``); a callable is a
+    predicate ``(fqn, module) -> bool``. One style object may serve many modules (as
+    ``parallelize_module``'s own wildcards do).
+
+    Args:
+        model: the model the plan is for (only read).
+        rules: ``{pattern: style}`` or a sequence of ``(pattern_or_predicate, style)``.
+        allow_unmatched: accept rules that match no module instead of raising.
+
+    Returns:
+        dict[str, ParallelStyle]: plan keyed by exact FQN, in ``named_modules`` order.
+
+    Raises:
+        TypeError: if a style is not a ParallelStyle or a pattern is neither str nor callable.
+        ValueError: if a rule matches no module (naming the rule and some FQNs) and
+            ``allow_unmatched`` is False.
+
+    Example:
+        >>> plan = tp_plan(model, [("*.wq", ColwiseParallel()), ("*.wo", RowwiseParallel())])
+        >>> apply_tp(model, mesh["tp"], plan)
+    """
+    pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+    for pattern, style in pairs:
+        if not (isinstance(pattern, str) or callable(pattern)):
+            raise TypeError(f"rule pattern must be a str glob or a callable, got {pattern!r}")
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(
+                f"rule {_describe(pattern)}: style must be a ParallelStyle, got {type(style).__name__}"
+            )
+    plan: dict[str, ParallelStyle] = {}
+    hits = [0] * len(pairs)
+    for fqn, module in model.named_modules():
+        for i, (pattern, style) in enumerate(pairs):
+            if _matches(pattern, fqn, module):
+                plan[fqn] = style
+                hits[i] += 1
+                break
+    unmatched = [i for i, n in enumerate(hits) if n == 0]
+    if unmatched and not allow_unmatched:
+        names = [n for n, _ in model.named_modules() if n][:12]
+        rules_txt = ", ".join(f"{_describe(pairs[i][0])} -> {type(pairs[i][1]).__name__}" for i in unmatched)
+        raise ValueError(
+            f"TP plan rules matched no module of {type(model).__name__}: {rules_txt} (or an "
+            f"earlier rule took every module they match). Module FQNs begin {names}. Pass "
+            "allow_unmatched=True to accept this."
+        )
+    return plan
+
+
+class GatherSequence(ParallelStyle):
+    """Turn a module's sequence-sharded input into a replicated DTensor (sequence parallel).
+
+    Like ``PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))``
+    but independent of the module's signature: it converts the first positional tensor argument,
+    or, if there is none, the first tensor keyword argument (Hugging Face calls
+    ``self_attn(hidden_states=...)``). A DTensor input is redistributed; a plain tensor is taken
+    as this rank's ``input_layout`` shard. The module then sees the global shape
+    (``x.shape[1]`` is the full sequence), and its colwise projections need no further gather.
+
+    Args:
+        input_layout: the layout the input arrives in (default ``Shard(1)``).
+        desired_layout: the layout handed to the module (default ``Replicate()``).
+    """
+
+    def __init__(self, *, input_layout: Placement | None = None, desired_layout: Placement | None = None):
+        super().__init__()
+        self.input_layout = input_layout or Shard(1)
+        self.desired_layout = desired_layout or Replicate()
+
+    def _convert(self, x: Any, mesh: DeviceMesh) -> Any:
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
+        if x.placements != (self.desired_layout,):
+            x = x.redistribute(placements=(self.desired_layout,))
+        return x
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        import torch
+
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    return (*args[:i], self._convert(a, device_mesh), *args[i + 1 :]), kwargs
+            for k, a in kwargs.items():
+                if isinstance(a, torch.Tensor):
+                    return args, {**kwargs, k: self._convert(a, device_mesh)}
+            raise ValueError(f"GatherSequence: {type(mod).__name__} was called without a tensor input")
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"GatherSequence(input_layout={self.input_layout}, desired_layout={self.desired_layout})"
+
+
+class ReplicatedKVColwise(ParallelStyle):
+    """Colwise K/V projection that also works when there are fewer KV heads than TP ranks.
+
+    With ``num_kv_heads`` divisible by the TP size this is exactly ``ColwiseParallel``. With
+    fewer KV heads (TP size a multiple of ``num_kv_heads``) the weight is replicated over the TP
+    mesh, every rank computes all KV heads (cheap: there are few) and keeps the one its query
+    heads use (rank ``r`` keeps head ``r // (tp / num_kv_heads)``), in DTensor ops so that the
+    weight gradient is the full sum over ranks. Pair with
+    ``prepare_mha_for_tp(..., replicate_kv_heads=True)``. The parameter keeps its full shape,
+    so state dicts are unchanged.
+
+    Args:
+        num_kv_heads: the model's global number of KV heads.
+        input_layouts: layout of the incoming activation (default ``Replicate()``).
+
+    Raises:
+        ValueError: (when applied) if neither the KV head count nor the TP size divides the
+            other, or the module's output features are not a multiple of ``num_kv_heads``.
+    """
+
+    def __init__(self, num_kv_heads: int, *, input_layouts: Placement | None = None):
+        super().__init__()
+        if num_kv_heads <= 0:
+            raise ValueError(f"num_kv_heads must be positive, got {num_kv_heads}")
+        self.num_kv_heads = num_kv_heads
+        self.input_layouts = input_layouts
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp, kv = device_mesh.size(), self.num_kv_heads
+        if kv % tp == 0:
+            colwise = ColwiseParallel(input_layouts=self.input_layouts)
+            colwise.src_data_rank = self.src_data_rank
+            return colwise._apply(module, device_mesh)
+        if tp % kv or not isinstance(module, nn.Linear) or module.out_features % kv:
+            raise ValueError(
+                f"ReplicatedKVColwise: cannot split {kv} KV heads over tensor parallel size {tp} "
+                f"(module {type(module).__name__}, out_features "
+                f"{getattr(module, 'out_features', '?')}): the TP size must be a multiple of the "
+                "KV head count and the module an nn.Linear with out_features divisible by it."
+            )
+        head_dim, rep = module.out_features // kv, tp // kv
+        in_layout = self.input_layouts or Replicate()
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                rep_p = distribute_tensor(p, mesh, [Replicate()], src_data_rank=self.src_data_rank)
+                mod.register_parameter(pname, nn.Parameter(rep_p, requires_grad=p.requires_grad))
+
+        def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> Any:
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, (in_layout,), run_check=False)
+            return x.redistribute(placements=(Replicate(),)) if x.placements != (Replicate(),) else x
+
+        def prepare_output(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> Any:
+            lead = out.shape[:-1]
+            heads = out.view(*lead, kv, 1, head_dim).expand(*lead, kv, rep, head_dim)
+            heads = heads.reshape(*lead, tp, head_dim).redistribute(placements=(Shard(len(lead)),))
+            local = heads.to_local()  # (..., 1, head_dim): this rank's replica
+            return local.reshape(*local.shape[:-2], head_dim)
+
+        return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
+
+    def __repr__(self) -> str:
+        return f"ReplicatedKVColwise(num_kv_heads={self.num_kv_heads}, input_layouts={self.input_layouts})"
+
+
+def _leaf_is(names: tuple[str, ...], kind: type) -> Callable[[str, nn.Module], bool]:
+    def pred(fqn: str, module: nn.Module) -> bool:
+        return fqn.rsplit(".", 1)[-1] in names and isinstance(module, kind)
+
+    pred.__name__ = f"{kind.__name__} named {'/'.join(names)}"
+    return pred
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower() and any(
+        True for _ in module.parameters(recurse=False)
+    )
+
+
+def llama_tp_plan(
+    model: nn.Module,
+    *,
+    sequence_parallel: bool = False,
+    embeddings_and_output: bool = True,
+    num_kv_heads: int | None = None,
+    names: Mapping[str, tuple[str, ...]] | None = None,
+) -> dict[str, ParallelStyle]:
+    """The Megatron-style TP plan for Llama-style decoder blocks, found by name.
+
+    Attention q/k/v and MLP gate/up projections are colwise, o/down rowwise (one all-reduce
+    per block half). Projections are ``nn.Linear`` leaves whose last FQN atom is in
+    :data:`LLAMA_NAMES` (``wq``/``q_proj``, ``w1``/``gate_proj``, ...). With
+    ``embeddings_and_output`` the token embedding is row-sharded over the vocabulary and the
+    output projection colwise with replicated logits. With ``sequence_parallel`` activations
+    between blocks stay sharded on the sequence dim (dim 1; its length must divide by the TP
+    size): norms outside the attention/MLP modules become ``SequenceParallel`` (their weight
+    gradients are then summed over TP ranks, which is why they must be in the plan), the
+    attention and MLP modules gather their input (:class:`GatherSequence`) and o/down
+    reduce-scatter. Call this before :func:`fsdptk.prepare_mha_for_tp` changes nothing it reads.
+
+    Args:
+        model: the model (any device, including meta); only read.
+        sequence_parallel: shard activations on the sequence dim between blocks.
+        embeddings_and_output: also shard the token embedding and the output projection
+            (required for ``sequence_parallel``; tied embedding/output weights are not supported).
+        num_kv_heads: the model's global KV head count; given, k/v use
+            :class:`ReplicatedKVColwise` (needed when it is below the TP size).
+        names: override of :data:`LLAMA_NAMES` (same keys) for other naming schemes.
+
+    Returns:
+        dict[str, ParallelStyle]: exact FQN -> style, for :func:`fsdptk.apply_tp`.
+
+    Raises:
+        ValueError: if a projection role (q, k, v, o, gate, up, down; embedding and output when
+            requested) matches no module, if the embedding and output share a weight, or if
+            ``sequence_parallel`` is asked without ``embeddings_and_output``.
+
+    Example:
+        >>> plan = llama_tp_plan(model, sequence_parallel=True)
+        >>> plan["layers.0.attention.wq"]
+        ColwiseParallel(...)
+    """
+    if sequence_parallel and not embeddings_and_output:
+        raise ValueError(
+            "sequence_parallel=True needs embeddings_and_output=True: the embedding must emit "
+            "sequence-sharded activations and the output projection gather them"
+        )
+    nm = {**LLAMA_NAMES, **(names or {})}
+    sp_out = Shard(1) if sequence_parallel else Replicate()
+    if num_kv_heads is None:
+        kv_style: ParallelStyle = ColwiseParallel()
+    else:
+        kv_style = ReplicatedKVColwise(num_kv_heads)
+    roles: list[tuple[str, type, ParallelStyle]] = [
+        ("q", nn.Linear, ColwiseParallel()),
+        ("k", nn.Linear, kv_style),
+        ("v", nn.Linear, kv_style),
+        ("o", nn.Linear, RowwiseParallel(output_layouts=sp_out)),
+        ("gate", nn.Linear, ColwiseParallel()),
+        ("up", nn.Linear, ColwiseParallel()),
+        ("down", nn.Linear, RowwiseParallel(output_layouts=sp_out)),
+    ]
+    if embeddings_and_output:
+        roles += [
+            ("embedding", nn.Embedding, RowwiseParallel(input_layouts=Replicate(), output_layouts=sp_out)),
+            ("output", nn.Linear, ColwiseParallel(input_layouts=sp_out, output_layouts=Replicate())),
+        ]
+    rules: list[tuple[Pattern, ParallelStyle]] = [(_leaf_is(nm[r], kind), s) for r, kind, s in roles]
+    plan = tp_plan(model, rules)
+    if embeddings_and_output:
+        _check_untied(model, plan, nm)
+    if sequence_parallel:
+        blocks = {_parent(f) for f in plan if f.rsplit(".", 1)[-1] in nm["q"] + nm["gate"] + nm["up"]}
+        gather = GatherSequence()
+        for fqn in blocks:
+            plan[fqn] = gather
+        inside = tuple(f"{b}." for b in blocks)
+        for fqn, module in model.named_modules():
+            if fqn not in plan and _is_norm(module) and not fqn.startswith(inside):
+                plan[fqn] = SequenceParallel()
+    return plan
+
+
+def _check_untied(model: nn.Module, plan: Mapping[str, ParallelStyle], nm: Mapping) -> None:
+    emb = [f for f in plan if f.rsplit(".", 1)[-1] in nm["embedding"]]
+    out = [f for f in plan if f.rsplit(".", 1)[-1] in nm["output"]]
+    for e in emb:
+        for o in out:
+            if model.get_submodule(e).weight is model.get_submodule(o).weight:
+                raise ValueError(
+                    f"'{e}.weight' and '{o}.weight' are the same tensor (tied embeddings): "
+                    "row-sharding one and column-sharding the other would untie them. Pass "
+                    "embeddings_and_output=False."
+                )

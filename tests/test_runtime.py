@@ -1,0 +1,120 @@
+"""fsdptk.runtime: single-process facts and the same facts inside a real 2-rank world."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fsdptk
+from fsdptk import (
+    get_distributed_backend,
+    get_world_size_and_rank,
+    is_distributed,
+    set_torch_num_threads,
+    validate_no_params_on_meta_device,
+)
+
+
+def test_single_process_facts(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("WORLD_SIZE", "RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    assert not is_distributed()
+    assert get_world_size_and_rank() == (1, 0)
+
+
+def test_is_distributed_from_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert is_distributed()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not is_distributed()
+    monkeypatch.setenv("WORLD_SIZE", "four")
+    with pytest.raises(ValueError, match="four"):
+        is_distributed()
+
+
+@pytest.mark.parametrize(
+    ("device", "offload", "expected"),
+    [
+        ("cuda", False, "nccl"),
+        ("cuda:1", False, "nccl"),
+        ("cpu", False, "gloo"),
+        ("cpu", True, "gloo"),
+        ("cuda", True, "cuda:nccl,cpu:gloo"),
+        ("xpu", False, "xccl"),
+    ],
+)
+def test_get_distributed_backend(device: str, offload: bool, expected: str) -> None:
+    assert get_distributed_backend(device, offload_ops_to_cpu=offload) == expected
+
+
+def test_get_distributed_backend_rejects_unknown() -> None:
+    with pytest.raises((ValueError, RuntimeError), match="tpu|device"):
+        get_distributed_backend("tpu")
+
+
+def test_set_torch_num_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000")
+        assert set_torch_num_threads() == 1
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+        n = set_torch_num_threads()
+        assert n >= 1 and torch.get_num_threads() == n
+    finally:
+        torch.set_num_threads(before)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1))
+        self.register_buffer("rope", torch.zeros(4), persistent=False)
+
+
+def test_validate_no_params_on_meta_device_names_fqn() -> None:
+    validate_no_params_on_meta_device(_Net())
+    with torch.device("meta"):
+        net = _Net()
+    with pytest.raises(RuntimeError, match=r"'inner\.0\.weight'.*\(3, 2\)"):
+        validate_no_params_on_meta_device(net)
+    net.to_empty(device="cpu")
+    net.rope = torch.empty(4, device="meta")
+    with pytest.raises(RuntimeError, match=r"Buffer 'rope'"):
+        validate_no_params_on_meta_device(net)
+
+
+def test_import_is_quiet_fast_and_without_torchao() -> None:
+    code = (
+        "import sys, fsdptk; "
+        "assert 'torchao' not in sys.modules, 'torchao imported'; "
+        "fsdptk.get_distributed_backend('cpu'); "
+        "assert 'torchao' not in sys.modules, 'torchao imported by runtime'"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "" and out.stderr == "", (out.stdout, out.stderr)
+
+
+def test_public_names_resolve() -> None:
+    for name in fsdptk.__all__:
+        assert getattr(fsdptk, name) is not None, name
+    with pytest.raises(AttributeError, match="no_such_name"):
+        fsdptk.no_such_name  # noqa: B018
+
+
+def _facts() -> tuple[bool, tuple[int, int], int]:
+    return is_distributed(), get_world_size_and_rank(), dist.get_rank()
+
+
+def test_facts_inside_a_world(world) -> None:
+    res = world(2).run(_facts)
+    assert res == [(True, (2, 0), 0), (True, (2, 1), 1)]
