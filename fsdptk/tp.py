@@ -56,7 +56,7 @@ def _tp_size(tp_mesh: Any) -> int:
 
 
 def _resolve(obj: Any, path: str) -> tuple[Any, str, Any]:
-    """Follow a dotted attribute path; return ``(holder, last_attr, value)`` (value may be _MISSING)."""
+    """Follow a dotted path: ``(holder, last_attr, value)``, value ``_MISSING`` when absent."""
     *parents, last = path.split(".")
     holder = obj
     for part in parents:
@@ -237,7 +237,7 @@ def apply_tp(
         model: the model to parallelise in place.
         tp_mesh: the 1-D tensor-parallel mesh.
         plan: FQN -> style, e.g. from :func:`fsdptk.tp_plan.llama_tp_plan` or
-            :func:`fsdptk.tp_plan.tp_plan`. Exact FQNs; ``""`` is the root.
+            :func:`fsdptk.tp_plan.build_tp_plan`. Exact FQNs; ``""`` is the root.
 
     Returns:
         nn.Module: ``model``.

@@ -1,7 +1,7 @@
 """Tensor-parallel plans built from rules over module FQNs, and a ready rule set for Llama blocks.
 
 A plan is what ``parallelize_module`` (or :func:`fsdptk.apply_tp`) takes: ``{fqn: ParallelStyle}``.
-Writing one by hand means listing every layer; :func:`tp_plan` builds it from ordered rules
+Writing one by hand means listing every layer; :func:`build_tp_plan` builds it from ordered rules
 (a glob over the FQN, or a ``(name, module) -> bool`` predicate such as those in
 ``fsdptk.predicates``), and :func:`llama_tp_plan` knows Llama-style blocks under both naming
 schemes (Meta/torchtitan ``wq/wk/wv/wo/w1/w2/w3``, Hugging Face ``q_proj/.../down_proj``).
@@ -15,7 +15,13 @@ from typing import Any, Union
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -24,7 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement
 
-__all__ = ["tp_plan", "llama_tp_plan", "ReplicatedKVColwise", "GatherSequence", "LLAMA_NAMES"]
+__all__ = ["build_tp_plan", "llama_tp_plan", "ReplicatedKVColwise", "GatherSequence", "LLAMA_NAMES"]
 
 Pattern = Union[str, Callable[[str, nn.Module], bool]]
 
@@ -43,7 +49,9 @@ LLAMA_NAMES: dict[str, tuple[str, ...]] = {
 
 
 def _describe(pattern: Pattern) -> str:
-    return repr(pattern) if isinstance(pattern, str) else getattr(pattern, "__name__", repr(pattern))
+    if isinstance(pattern, str):
+        return repr(pattern)
+    return getattr(pattern, "__name__", repr(pattern))
 
 
 def _matches(pattern: Pattern, fqn: str, module: nn.Module) -> bool:
@@ -52,7 +60,7 @@ def _matches(pattern: Pattern, fqn: str, module: nn.Module) -> bool:
     return bool(pattern(fqn, module))
 
 
-def tp_plan(
+def build_tp_plan(
     model: nn.Module,
     rules: Mapping[str, ParallelStyle] | Iterable[tuple[Pattern, ParallelStyle]],
     *,
@@ -80,7 +88,7 @@ def tp_plan(
             ``allow_unmatched`` is False.
 
     Example:
-        >>> plan = tp_plan(model, [("*.wq", ColwiseParallel()), ("*.wo", RowwiseParallel())])
+        >>> plan = build_tp_plan(model, [("*.wq", ColwiseParallel()), ("*.wo", RowwiseParallel())])
         >>> apply_tp(model, mesh["tp"], plan)
     """
     pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
@@ -89,7 +97,8 @@ def tp_plan(
             raise TypeError(f"rule pattern must be a str glob or a callable, got {pattern!r}")
         if not isinstance(style, ParallelStyle):
             raise TypeError(
-                f"rule {_describe(pattern)}: style must be a ParallelStyle, got {type(style).__name__}"
+                f"rule {_describe(pattern)}: style must be a ParallelStyle, "
+                f"got {type(style).__name__}"
             )
     plan: dict[str, ParallelStyle] = {}
     hits = [0] * len(pairs)
@@ -102,7 +111,9 @@ def tp_plan(
     unmatched = [i for i, n in enumerate(hits) if n == 0]
     if unmatched and not allow_unmatched:
         names = [n for n, _ in model.named_modules() if n][:12]
-        rules_txt = ", ".join(f"{_describe(pairs[i][0])} -> {type(pairs[i][1]).__name__}" for i in unmatched)
+        rules_txt = ", ".join(
+            f"{_describe(pairs[i][0])} -> {type(pairs[i][1]).__name__}" for i in unmatched
+        )
         raise ValueError(
             f"TP plan rules matched no module of {type(model).__name__}: {rules_txt} (or an "
             f"earlier rule took every module they match). Module FQNs begin {names}. Pass "
@@ -126,7 +137,9 @@ class GatherSequence(ParallelStyle):
         desired_layout: the layout handed to the module (default ``Replicate()``).
     """
 
-    def __init__(self, *, input_layout: Placement | None = None, desired_layout: Placement | None = None):
+    def __init__(
+        self, *, input_layout: Placement | None = None, desired_layout: Placement | None = None
+    ) -> None:
         super().__init__()
         self.input_layout = input_layout or Shard(1)
         self.desired_layout = desired_layout or Replicate()
@@ -148,13 +161,18 @@ class GatherSequence(ParallelStyle):
             for k, a in kwargs.items():
                 if isinstance(a, torch.Tensor):
                     return args, {**kwargs, k: self._convert(a, device_mesh)}
-            raise ValueError(f"GatherSequence: {type(mod).__name__} was called without a tensor input")
+            raise ValueError(
+                f"GatherSequence: {type(mod).__name__} was called without a tensor input"
+            )
 
         module.register_forward_pre_hook(hook, with_kwargs=True)
         return module
 
     def __repr__(self) -> str:
-        return f"GatherSequence(input_layout={self.input_layout}, desired_layout={self.desired_layout})"
+        return (
+            f"GatherSequence(input_layout={self.input_layout}, "
+            f"desired_layout={self.desired_layout})"
+        )
 
 
 class ReplicatedKVColwise(ParallelStyle):
@@ -209,7 +227,9 @@ class ReplicatedKVColwise(ParallelStyle):
             x = inputs[0]
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, mesh, (in_layout,), run_check=False)
-            return x.redistribute(placements=(Replicate(),)) if x.placements != (Replicate(),) else x
+            if x.placements != (Replicate(),):
+                x = x.redistribute(placements=(Replicate(),))
+            return x
 
         def prepare_output(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> Any:
             lead = out.shape[:-1]
@@ -221,7 +241,10 @@ class ReplicatedKVColwise(ParallelStyle):
         return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
 
     def __repr__(self) -> str:
-        return f"ReplicatedKVColwise(num_kv_heads={self.num_kv_heads}, input_layouts={self.input_layouts})"
+        return (
+            f"ReplicatedKVColwise(num_kv_heads={self.num_kv_heads}, "
+            f"input_layouts={self.input_layouts})"
+        )
 
 
 def _leaf_is(names: tuple[str, ...], kind: type) -> Callable[[str, nn.Module], bool]:
@@ -307,15 +330,20 @@ def llama_tp_plan(
     ]
     if embeddings_and_output:
         roles += [
-            ("embedding", nn.Embedding, RowwiseParallel(input_layouts=Replicate(), output_layouts=sp_out)),
-            ("output", nn.Linear, ColwiseParallel(input_layouts=sp_out, output_layouts=Replicate())),
+            ("embedding", nn.Embedding,
+             RowwiseParallel(input_layouts=Replicate(), output_layouts=sp_out)),
+            ("output", nn.Linear,
+             ColwiseParallel(input_layouts=sp_out, output_layouts=Replicate())),
         ]
-    rules: list[tuple[Pattern, ParallelStyle]] = [(_leaf_is(nm[r], kind), s) for r, kind, s in roles]
-    plan = tp_plan(model, rules)
+    rules: list[tuple[Pattern, ParallelStyle]] = [
+        (_leaf_is(nm[r], kind), s) for r, kind, s in roles
+    ]
+    plan = build_tp_plan(model, rules)
     if embeddings_and_output:
         _check_untied(model, plan, nm)
     if sequence_parallel:
-        blocks = {_parent(f) for f in plan if f.rsplit(".", 1)[-1] in nm["q"] + nm["gate"] + nm["up"]}
+        openers = nm["q"] + nm["gate"] + nm["up"]  # their parents: the attention / MLP modules
+        blocks = {_parent(f) for f in plan if f.rsplit(".", 1)[-1] in openers}
         gather = GatherSequence()
         for fqn in blocks:
             plan[fqn] = gather

@@ -1,0 +1,217 @@
+"""``shard_model``: FSDP2 units chosen by predicates, applied bottom-up, ties and prefetch handled.
+
+The order of a full set-up, and why (see ``docs/sharding.md``)::
+
+    model = build_on_meta()                       # nobody materialises the full model
+    apply_tp(model, dims.tp_mesh, plan)           # TP first: FSDP2 then shards TP's DTensors
+    apply_activation_checkpointing(model, cond)   # AC before FSDP: FSDP's hooks wrap the AC region
+    shard_model(model, conds, cpu_offload=False, dp_mesh=dims.fsdp_mesh)
+    load_from_full_model_state_dict(model, ...)   # after sharding: each rank loads its shards
+
+Nothing is sharded until every condition has been evaluated on every module and the plan (units,
+tied-parameter groups) validated, so a bad input leaves the model untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from fsdptk._sharding_plan import (
+    ShardConditionError,
+    ShardingPlan,
+    UnitPlan,
+    _make_plan,
+    _summarise,
+    _Unit,
+    describe_sharding,
+)
+from fsdptk.predicates import ShardCondition
+
+__all__ = ["shard_model", "describe_sharding", "ShardingPlan", "UnitPlan", "ShardConditionError"]
+
+_log = logging.getLogger(__name__)
+
+
+def _accelerator_available() -> bool:
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return torch.cuda.is_available()  # pragma: no cover - torch < 2.6
+
+
+def _check_options(
+    cpu_offload: Any, dp_mesh: Any, forward_prefetch: Any, backward_prefetch: Any, mp_policy: Any
+) -> None:
+    if not isinstance(cpu_offload, bool):
+        raise TypeError(f"cpu_offload must be a bool, got {cpu_offload!r}")
+    if cpu_offload and not _accelerator_available():
+        raise RuntimeError(
+            "cpu_offload=True needs an accelerator: FSDP2's CPUOffloadPolicy keeps parameters on "
+            "CPU and copies them to the accelerator for compute, and torch.accelerator reports "
+            "none on this machine; use cpu_offload=False on a CPU-only run"
+        )
+    for name, depth in (("forward_prefetch", forward_prefetch),
+                        ("backward_prefetch", backward_prefetch)):
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+            raise ValueError(f"{name} must be an int >= 0 (units to prefetch), got {depth!r}")
+    if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if dp_mesh is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "shard_model needs a dp_mesh or an initialised default process group "
+                "(torch.distributed.init_process_group); for a dry run use describe_sharding"
+            )
+        return
+    if not isinstance(dp_mesh, DeviceMesh):
+        raise TypeError(f"dp_mesh must be a DeviceMesh, got {type(dp_mesh).__name__}")
+    if dp_mesh.ndim not in (1, 2):
+        names = dp_mesh.mesh_dim_names
+        raise ValueError(
+            f"dp_mesh must be 1-D (FSDP) or 2-D (HSDP: replicate, shard), got a {dp_mesh.ndim}-D "
+            f"mesh of shape {tuple(dp_mesh.shape)} with dims {names}; pass the data-parallel "
+            "slice, e.g. ParallelDims.fsdp_mesh or mesh['dp_replicate', 'dp_shard']"
+        )
+
+
+def _shard_world_size(dp_mesh: DeviceMesh | None) -> int:
+    if dp_mesh is None:
+        return dist.get_world_size()
+    return dp_mesh.size(dp_mesh.ndim - 1)
+
+
+def _target(unit: _Unit) -> nn.Module | list[nn.Module]:
+    return unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
+
+
+def _set_prefetch(units: list[FSDPModule], forward: int, backward: int) -> None:
+    """Explicit prefetch over units in forward order: each unit gathers the next ``forward`` units
+    in forward and the previous ``backward`` units (in backward order) in backward."""
+    for i, unit in enumerate(units):
+        if forward:
+            nxt = units[i + 1 : i + 1 + forward]
+            if nxt:
+                unit.set_modules_to_forward_prefetch(nxt)
+        if backward:
+            prev = units[max(0, i - backward) : i][::-1]
+            if prev:
+                unit.set_modules_to_backward_prefetch(prev)
+
+
+def shard_model(
+    model: nn.Module,
+    shard_conditions: Sequence[ShardCondition] | ShardCondition,
+    *,
+    cpu_offload: bool,
+    reshard_after_forward: bool | int = True,
+    dp_mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    forward_prefetch: int = 0,
+    backward_prefetch: int = 0,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+) -> ShardingPlan:
+    """Apply FSDP2 ``fully_shard`` to every module a condition matches (bottom-up), then the root.
+
+    A drop-in for torchtune's ``shard_model`` (same positional arguments and flags) that also:
+    groups modules sharing a parameter (tied embeddings) into one unit, or leaves the parameter to
+    their common parent, so the tie survives (one Parameter, stepped once); sets explicit prefetch;
+    validates everything before sharding anything; returns the plan it applied.
+
+    Modules are matched by their clean FQN (wrapper prefixes such as ``_checkpoint_wrapped_module``
+    removed; the condition receives the wrapped module) and every non-root module is tried; the
+    root is always a unit. Unit order for prefetching is registration order (``named_modules``),
+    which is forward order for the usual embed -> layers -> norm -> output models.
+
+    Args:
+        model: the model (``meta``, CPU or accelerator; after tensor parallel if used).
+        shard_conditions: callables ``(name, module) -> bool`` (or a single one); a module that any
+            of them matches becomes an FSDP unit. See :mod:`fsdptk.predicates`.
+        cpu_offload: keep sharded parameters, gradients and optimizer step on CPU
+            (``CPUOffloadPolicy``; needs an accelerator).
+        reshard_after_forward: FSDP2's option for the non-root units: ``True`` frees gathered
+            parameters after forward, ``False`` keeps them until backward, an int reshards to
+            that smaller world size.
+        dp_mesh: a 1-D mesh (FSDP) or 2-D ``(replicate, shard)`` mesh (HSDP), e.g.
+            :attr:`fsdptk.ParallelDims.fsdp_mesh`; ``None`` uses the whole default process group.
+        mp_policy: FSDP2 ``MixedPrecisionPolicy`` (``None``: full precision).
+        forward_prefetch: number of following units each unit all-gathers early in forward
+            (0: FSDP2's default, no explicit forward prefetch).
+        backward_prefetch: number of preceding units each unit all-gathers early in backward
+            (0: FSDP2's default implicit prefetch of one).
+        shard_placement_fn: passed to ``fully_shard`` (per-parameter shard dim).
+
+    Returns:
+        ShardingPlan: the applied units (see :func:`describe_sharding`); ``print`` it for a table.
+
+    Raises:
+        ValueError: when no module matches (names the conditions), a matched module cannot be an
+            FSDP unit, the model is already sharded, a parameter is 0-dim, ``dp_mesh`` is not 1-D
+            or 2-D, or a prefetch depth is negative.
+        ShardConditionError: when a condition raises; names the condition and the module FQN.
+        RuntimeError: when ``cpu_offload=True`` without an accelerator, or without a mesh and a
+            process group. In every error case the model is left unchanged.
+        TypeError: on arguments of the wrong type.
+
+    Example:
+        >>> from fsdptk import shard_model  # doctest: +SKIP
+        >>> from fsdptk.predicates import layers, by_name  # doctest: +SKIP
+        >>> plan = shard_model(model, [layers(), by_name("tok_embeddings", "output")],
+        ...                    cpu_offload=False, dp_mesh=dims.fsdp_mesh,
+        ...                    forward_prefetch=1, backward_prefetch=1)  # doctest: +SKIP
+        >>> print(plan)  # doctest: +SKIP
+    """
+    _check_options(cpu_offload, dp_mesh, forward_prefetch, backward_prefetch, mp_policy)
+    plan = _make_plan(model, shard_conditions)
+    world_size = _shard_world_size(dp_mesh)
+    summary = _summarise(plan, world_size)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+
+    kwargs: dict[str, Any] = {
+        "mesh": dp_mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+        "shard_placement_fn": shard_placement_fn,
+    }
+    # Bottom-up: a unit must be sharded before any unit that contains it, so that the outer unit
+    # skips the inner unit's parameters. Reverse registration order guarantees that (tied groups
+    # are ordered by their first member, which is valid because the planner only groups modules
+    # with the same enclosing units).
+    for unit in reversed(plan.units):
+        fully_shard(_target(unit), **kwargs)
+        if rank0:
+            _log.debug("fully_shard(%s) [rule: %s]", " + ".join(unit.fqns), unit.rule)
+    fully_shard(model, **kwargs)
+    if rank0:
+        for note in plan.notes:
+            _log.info("shard_model: %s", note)
+        _log.info(
+            "shard_model: applied fully_shard to %d units + root over %d shard ranks%s "
+            "(reshard_after_forward=%s, mp_policy=%s, cpu_offload=%s)",
+            len(plan.units), world_size,
+            f" on mesh {tuple(dp_mesh.shape)}" if dp_mesh is not None else "",
+            reshard_after_forward, mp_policy, cpu_offload,
+        )
+    if forward_prefetch or backward_prefetch:
+        units = [u.modules[0] for u in plan.units]
+        _set_prefetch(units, forward_prefetch, backward_prefetch)  # type: ignore[arg-type]
+        if rank0:
+            _log.info(
+                "shard_model: explicit prefetch over %d units (forward depth %d, backward depth %d)",
+                len(units), forward_prefetch, backward_prefetch,
+            )
+    return summary
