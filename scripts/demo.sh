@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1
-exec .venv/bin/torchrun --standalone --nproc_per_node=2 scripts/smoke_roundtrip.py "$@"
+exec .venv/bin/torchrun --standalone --nproc_per_node=2 examples/train_llama.py "$@"

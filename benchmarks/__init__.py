@@ -1,0 +1,10 @@
+"""fsdptk's benchmark suite: fsdptk beside its peers, same input, same run, fresh processes.
+
+Run ``python -m benchmarks --help``; results and how to read them are in docs/benchmarks.md.
+
+Modules: :mod:`benchmarks.model` (the Llama-style model of configurable size), :mod:`benchmarks.methods`
+(the registry of scenarios x methods: fsdptk, PyTorch DCP, torchtune, accelerate), implemented in
+:mod:`benchmarks.model_state` and :mod:`benchmarks.optim_state` over :mod:`benchmarks.common`;
+:mod:`benchmarks.measure` (RSS and bytes from the OS), :mod:`benchmarks.worker` (one rank of one run), :mod:`benchmarks.runner` (launching fresh process groups), :mod:`benchmarks.limits`
+(loopback and memory/file bandwidths), :mod:`benchmarks.report` (tables, plots, the results page).
+"""

@@ -1,0 +1,268 @@
+"""``python -m benchmarks``: run the suite, print the tables, optionally write the results page.
+
+Examples::
+
+    bash benchmarks/setup_peers.sh                       # once: .venv-peers with the peers + matplotlib
+    .venv-peers/bin/python -m benchmarks --quick         # ~1 minute smoke run, tiny model, 2 ranks
+    .venv-peers/bin/python -m benchmarks --sizes 0.5 1 --worlds 4 2 --repeats 2 --write-docs
+    .venv-peers/bin/python -m benchmarks --from-json results.json --write-docs   # re-render only
+
+Order of runs: for each world size, model size and repeat, every (scenario, method) once, so that
+a change in the machine's background load hits every method alike. Methods that need torchtune or
+accelerate run with the peers' python (``--peers-python``, default ``.venv-peers/bin/python``)
+when the current interpreter lacks them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .methods import METHODS, NOT_APPLICABLE, SCENARIOS
+from .model import GENERATOR_VERSION, config_for_size
+from .report import render_tables, write_docs
+from .runner import REPO, launch_ttfs, launch_workers
+
+__all__ = ["main", "parse_args"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 0.02 GB model, 2 ranks, 1 repeat, small limit buffers (~1 minute)")
+    p.add_argument("--sizes", type=float, nargs="+", default=[0.5, 1.0], help="model sizes in GB (1e9 bytes)")
+    p.add_argument("--worlds", type=int, nargs="+", default=[4, 2], help="world sizes (ranks)")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each (scenario, method, size, world)")
+    p.add_argument("--scenarios", nargs="+", default=SCENARIOS, choices=SCENARIOS)
+    p.add_argument("--methods", nargs="+", default=None,
+                   help="only these methods (e.g. fsdptk dcp); default: all of each scenario")
+    p.add_argument("--no-limits", dest="limits", action="store_false", help="skip the physical-limit run")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--work-dir", default="/tmp/fsdptk-bench", help="checkpoints and per-run logs")
+    p.add_argument("--json", default=None, help="write all results here (default: <work-dir>/results.json)")
+    p.add_argument("--from-json", nargs="+", default=None,
+                   help="do not run: load results from these files (several are merged, e.g. a main run and a scaling run)")
+    p.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md and docs/img/*.png")
+    p.add_argument("--docs", default=str(REPO / "docs" / "benchmarks.md"))
+    p.add_argument("--notes", default=None, help="markdown file inserted into the results page")
+    p.add_argument("--peers-python", default=str(REPO / ".venv-peers" / "bin" / "python"))
+    p.add_argument("--timeout", type=float, default=None, help="seconds per run (default 900, quick 120)")
+    p.add_argument("--mem-headroom", type=float, default=0.85,
+                   help="skip a run whose estimated memory exceeds this fraction of MemAvailable")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.worlds, args.repeats = [0.02], [2], 1
+    args.timeout = args.timeout or (120.0 if args.quick else 900.0)
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+def _has(python: str, module: str) -> bool:
+    if python == sys.executable:
+        return importlib.util.find_spec(module) is not None
+    if not Path(python).exists():
+        return False
+    return subprocess.run([python, "-c", f"import importlib.util,sys; sys.exit(importlib.util.find_spec({module!r}) is None)"],
+                          capture_output=True).returncode == 0
+
+
+def _pick_python(needs: str, args: argparse.Namespace, cache: dict) -> tuple[str | None, str | None]:
+    """The interpreter for a method and, when none can run it, why."""
+    module = {"fsdptk": "fsdptk", "torch": "torch", "torchtune": "torchtune", "accelerate": "accelerate"}[needs]
+    for py in (sys.executable, args.peers_python):
+        key = (py, module)
+        if key not in cache:
+            cache[key] = _has(py, module)
+        if cache[key]:
+            return py, None
+    return None, f"{module} is not installed in {sys.executable} nor in {args.peers_python} (bash benchmarks/setup_peers.sh)"
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+_EVERY_RANK_HOLDS = {("load_mem", "torchtune"), ("load_mem", "fsdptk_all"), ("load_st", "torchtune"),
+                     ("optim_load", "torchtune")}
+
+
+def _estimate_bytes(scenario: str, method: str, model_bytes: int, world: int) -> int:
+    """A rough upper estimate of the run's total memory over all ranks (to skip hopeless runs)."""
+    base = world * 450e6
+    state = 3 * model_bytes if scenario.startswith("optim") else model_bytes  # params + AdamW's 2
+    holders = world if (scenario, method) in _EVERY_RANK_HOLDS else 1
+    payload = (2 * model_bytes if scenario.startswith("optim") else model_bytes) * holders
+    transient = model_bytes if method in ("dcp", "accelerate", "torchtune") else 0.2 * model_bytes
+    return int(base + state + payload + transient * (world if method != "fsdptk" else 1))
+
+
+def _prepare(cfg, work: Path, args, seed: int = 0) -> Path:
+    ckpt = work / f"ckpt-{cfg.nbytes() / 1e9:.3f}GB-{cfg.dtype}"
+    meta = ckpt / "bench_meta.json"
+    if meta.is_file():
+        old = json.loads(meta.read_text())
+        if old.get("cfg") == cfg.__dict__ and old.get("generator") == GENERATOR_VERSION:
+            return ckpt
+    shutil.rmtree(ckpt, ignore_errors=True)
+    out = work / "runs" / f"prepare-{ckpt.name}"
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {"scenario": "prepare", "cfg": cfg.__dict__, "ckpt_dir": str(ckpt), "seed": seed, "out_dir": str(out)}
+    (out / "spec.json").write_text(json.dumps(spec))
+    print(f"[bench] writing the {cfg.nbytes() / 1e9:.3f} GB checkpoint {ckpt}", flush=True)
+    subprocess.run([sys.executable, "-m", "benchmarks.worker", str(out / "spec.json")], cwd=REPO, check=True,
+                   env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"))
+    return ckpt
+
+
+def _record(**kw) -> dict:
+    return dict(kw)
+
+
+def _methods_of(scenario: str, args: argparse.Namespace) -> list[str]:
+    names = ["fsdptk"] if scenario == "ttfs" else list(METHODS[scenario])
+    names += [m for (s, m) in NOT_APPLICABLE if s == scenario]
+    if args.methods:
+        names = [m for m in names if m in args.methods or any(m.startswith(x + "_") for x in args.methods)]
+    return names
+
+
+def run_suite(args: argparse.Namespace) -> dict:
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    cache: dict = {}
+    records: list[dict] = []
+    t_start = time.perf_counter()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for world in args.worlds:
+        for size in args.sizes:
+            cfg = config_for_size(size, args.dtype)
+            ckpt = _prepare(cfg, work, args)
+            meta = json.loads((ckpt / "bench_meta.json").read_text())
+            common = {"world": world, "size_gb": size, "model_bytes": cfg.nbytes(), "file_bytes": meta["file_bytes"],
+                      "cfg": cfg.__dict__}
+            for rep in range(args.repeats):
+                if args.limits:
+                    limit_bytes = min(cfg.nbytes(), 32 * 2**20 if args.quick else 256 * 2**20)
+                    out = work / "runs" / stamp / f"limits-w{world}-{size}GB-r{rep}"
+                    spec = {"scenario": "limits", "ckpt_dir": str(ckpt), "limit_bytes": limit_bytes,
+                            "limit_reps": 1 if args.quick else 3}
+                    res = launch_workers(spec, world, sys.executable, out, args.timeout)
+                    records.append(_record(scenario="limits", method="gloo", repeat=rep, status=res.status,
+                                           error=res.error, ranks=res.ranks, **common))
+                    _progress(records[-1], t_start)
+                for scenario in args.scenarios:
+                    for method in _methods_of(scenario, args):
+                        rec = _one(scenario, method, rep, world, cfg, ckpt, args, cache, work / "runs" / stamp, common)
+                        records.append(rec)
+                        _progress(rec, t_start)
+    return {"records": records, "meta": _environment(args, time.perf_counter() - t_start)}
+
+
+def _one(scenario, method, rep, world, cfg, ckpt, args, cache, runs: Path, common) -> dict:
+    base = dict(scenario=scenario, method=method, repeat=rep, **common)
+    reason = NOT_APPLICABLE.get((scenario, method))
+    if reason:
+        return dict(base, status="n/a", error=reason, ranks=[])
+    needs = "fsdptk" if scenario == "ttfs" else METHODS[scenario][method].needs
+    python, why = _pick_python(needs, args, cache)
+    if python is None:
+        return dict(base, status="n/a", error=why, ranks=[])
+    est = _estimate_bytes(scenario, method, cfg.nbytes(), world)
+    avail = _mem_available()
+    if est > args.mem_headroom * avail:
+        return dict(base, status="skipped", ranks=[],
+                    error=f"needs ~{est / 1e9:.1f} GB, {avail / 1e9:.1f} GB available now")
+    out = runs / f"{scenario}-{method}-w{world}-{common['size_gb']}GB-r{rep}"
+    if scenario == "ttfs":
+        if not (REPO / "examples" / "train_llama.py").is_file():
+            return dict(base, status="n/a", error="examples/train_llama.py does not exist", ranks=[])
+        res = launch_ttfs(world, python, out, ckpt, args.timeout)
+    else:
+        spec = {"scenario": scenario, "method": method, "cfg": cfg.__dict__, "ckpt_dir": str(ckpt)}
+        res = launch_workers(spec, world, python, out, args.timeout)
+    rec = dict(base, status=res.status, error=res.error, ranks=res.ranks, python=python, log_dir=str(out))
+    if res.status == "ok" and scenario != "ttfs":
+        shutil.rmtree(out / "scratch", ignore_errors=True)
+    return rec
+
+
+def _progress(rec: dict, t0: float) -> None:
+    times = [r.get("time_s") for r in rec["ranks"] if r.get("time_s") is not None]
+    what = f"{max(times):7.2f} s" if times else rec["status"]
+    checks = {r.get("check") for r in rec["ranks"] if r.get("check")}
+    check = "" if not checks or checks == {"ok"} else f" check: {sorted(map(str, checks))[0][:120]}"
+    err = f" ({rec['error'][:160]})" if rec.get("error") and rec["status"] not in ("ok",) else ""
+    print(f"[bench +{time.perf_counter() - t0:6.0f}s] W={rec['world']} {rec['size_gb']:g} GB r{rec['repeat']} "
+          f"{rec['scenario']:<12} {rec['method']:<22} {what}{check}{err}", flush=True)
+
+
+def _versions(python: str) -> dict:
+    code = ("import importlib.metadata as m, json\nout={}\n"
+            "for n in ('torch','fsdptk','torchtune','torchao','accelerate','safetensors'):\n"
+            "    try: out[n]=m.version(n)\n    except Exception: out[n]=None\nprint(json.dumps(out))")
+    try:
+        return json.loads(subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60).stdout)
+    except Exception:  # noqa: BLE001
+        return {}
+
+
+def _environment(args: argparse.Namespace, seconds: float) -> dict:
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    pythons = {sys.executable} | ({args.peers_python} if Path(args.peers_python).exists() else set())
+    return {
+        "command": "python -m benchmarks " + " ".join(sys.argv[1:]),
+        "python": sys.executable,
+        "versions": {py: _versions(py) for py in sorted(pythons)},
+        "cpus": os.cpu_count(), "mem_total_GB": _mem_total() / 1e9, "loadavg_end": load,
+        "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "seconds": seconds, "quick": args.quick, "dtype": args.dtype,
+        "sizes": args.sizes, "worlds": args.worlds, "repeats": args.repeats,
+    }
+
+
+def _mem_total() -> int:
+    with open("/proc/meminfo") as f:
+        return int(f.readline().split()[1]) * 1024
+
+
+def merge_results(parts: list[dict]) -> dict:
+    """One results dict from several runs: records concatenated, each run's environment kept."""
+    metas = []
+    for part in parts:
+        m = part.get("meta", {})
+        metas.extend(m if isinstance(m, list) else [m])
+    return {"records": [r for part in parts for r in part["records"]], "meta": metas}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_json:
+        results = merge_results([json.loads(Path(f).read_text()) for f in args.from_json])
+    else:
+        results = run_suite(args)
+        path = Path(args.json or Path(args.work_dir) / "results.json")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1))
+        print(f"[bench] results: {path}", flush=True)
+    print(render_tables(results))
+    if args.write_docs:
+        notes = Path(args.notes).read_text() if args.notes else ""
+        for p in write_docs(results, Path(args.docs), notes=notes):
+            print(f"[bench] wrote {p}")
+    return 0

@@ -1,0 +1,329 @@
+"""Turn run records into tables (markdown), ratios, limits, plots, and the results page.
+
+Per (scenario, method, world, size), over the repeats:
+- time: the operation between barriers, max over ranks; median and min-max over repeats;
+- peak RSS: OS high-water mark at the end of the operation, rank 0 and the max over ranks > 0,
+  with the baseline (high-water mark just before) and the delta (what the operation added);
+- sent: bytes rank 0 / the busiest other rank wrote to sockets during the operation;
+- limit: the time the operation would take at the measured physical bandwidths, for the data
+  placement the method assumes (see :func:`ideal_time`), and measured time's share of it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from .methods import METHODS, PEERS, SCENARIO_TITLES, SCENARIOS
+
+__all__ = ["aggregate", "render_tables", "write_docs", "ideal_time"]
+
+MB = 1e6
+
+
+def _med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def aggregate(results: dict) -> tuple[dict, dict]:
+    """``(rows, limits)``: rows keyed by (scenario, method, world, size), limits by (world, size)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for rec in results["records"]:
+        groups[(rec["scenario"], rec["method"], rec["world"], rec["size_gb"])].append(rec)
+    rows, limits = {}, {}
+    for key, recs in groups.items():
+        scenario = key[0]
+        ok = [r for r in recs if r["status"] == "ok"]
+        if scenario == "limits":
+            if ok:
+                names = ok[0]["ranks"][0]["limits"].keys()
+                limits[key[2:]] = {n: _med([r["ranks"][0]["limits"][n] for r in ok]) for n in names}
+            continue
+        row = {"n": len(ok), "runs": len(recs), "status": recs[0]["status"] if not ok else "ok",
+               "error": next((r["error"] for r in recs if r.get("error")), None),
+               "model_bytes": recs[0]["model_bytes"], "file_bytes": recs[0].get("file_bytes")}
+        if ok:
+            times = [max(x.get("time_s") or 0.0 for x in r["ranks"]) for r in ok]
+            row.update(time=_med(times), tmin=min(times), tmax=max(times))
+            r0 = [r["ranks"][0] for r in ok]
+            rest = [r["ranks"][1:] for r in ok]
+            row["peak0"] = _med([x.get("peak_rss") for x in r0])
+            row["base0"] = _med([x.get("baseline_peak_rss") for x in r0])
+            row["peakN"] = _med([max((x.get("peak_rss") or 0) for x in rs) for rs in rest if rs])
+            row["baseN"] = _med([max((x.get("baseline_peak_rss") or 0) for x in rs) for rs in rest if rs])
+            row["delta0"] = _med([_delta(x) for x in r0])
+            row["deltaN"] = _med([max(ds) for rs in rest if rs for ds in [[d for d in map(_delta, rs) if d is not None]] if ds])
+            row["sent0"] = _med([x.get("sent_bytes") for x in r0])
+            row["sent_all"] = _med([sum(x.get("sent_bytes") or 0 for x in r["ranks"]) for r in ok]) \
+                if any(x.get("sent_bytes") is not None for x in r0) else None
+            row["sentN"] = _med([max((x.get("sent_bytes") or 0) for x in rs) for rs in rest if rs]) \
+                if any(x.get("sent_bytes") is not None for rs in rest for x in rs) else None
+            checks = [x.get("check") for r in ok for x in r["ranks"] if x.get("check")]
+            row["check"] = "ok" if checks and all(c == "ok" for c in checks) else \
+                next((c for c in checks if c != "ok"), "-")
+        rows[key] = row
+    return rows, limits
+
+
+def _delta(x: dict):
+    if x.get("peak_rss") is None or x.get("baseline_peak_rss") is None:
+        return None
+    return x["peak_rss"] - x["baseline_peak_rss"]
+
+
+_RANK0_SOURCE = {"fsdptk", "dcp", "accelerate", "fsdptk_rank0_read"}
+
+
+def ideal_time(scenario: str, method: str, world: int, row: dict, lim: dict | None) -> float | None:
+    """Seconds the operation needs at the measured bandwidths (``None`` when not defined).
+
+    - rank 0 holds or reads the data: its share for the others must leave rank 0, (w-1)/w x bytes
+      at the scatter bandwidth (plus, when read from the file, the read: the larger of the two,
+      as a pipelined loader overlaps them);
+    - every rank holds the data: each copies its 1/w (memcpy); every rank reads the file: its 1/w
+      of the file, all at once (aggregate read bandwidth);
+    - gathers: (w-1)/w x bytes into rank 0 at the gather bandwidth; save: the larger of that
+      and writing the file;
+    - optimizer (AdamW): twice the model bytes (exp_avg, exp_avg_sq).
+    """
+    if not lim:
+        return None
+    m = row["model_bytes"]
+    f = row.get("file_bytes") or m
+    frac = (world - 1) / world
+    gb = 1e9
+    if scenario == "load_mem":
+        return m * frac / (lim["scatter"] * gb) if method in _RANK0_SOURCE else m / world / (lim["memcpy"] * gb)
+    if scenario == "load_st":
+        if method in _RANK0_SOURCE:
+            return max(f / (lim["file_read"] * gb), m * frac / (lim["scatter"] * gb))
+        return f / (lim["file_read_all"] * gb)
+    if scenario == "gather":
+        return m * frac / (lim["gather"] * gb)
+    if scenario == "save":
+        return max(m * frac / (lim["gather"] * gb), f / (lim["file_write"] * gb))
+    if scenario == "optim_gather":
+        return 2 * m * frac / (lim["gather"] * gb)
+    if scenario == "optim_load":
+        return 2 * m * frac / (lim["scatter"] * gb) if method in _RANK0_SOURCE else 2 * m / world / (lim["memcpy"] * gb)
+    return None
+
+
+def _mb(x) -> str:
+    return "-" if x is None else f"{x / MB:,.0f}"
+
+
+def _s(x) -> str:
+    return "-" if x is None else (f"{x:.2f}" if x < 100 else f"{x:.0f}")
+
+
+def _sorted_keys(rows: dict) -> list[tuple]:
+    order = {s: i for i, s in enumerate(SCENARIOS)}
+
+    def mkey(scenario, method):
+        names = list(METHODS.get(scenario, {"fsdptk": None}))
+        return names.index(method) if method in names else 99
+
+    return sorted(rows, key=lambda k: (-k[2], k[3], order.get(k[0], 99), mkey(k[0], k[1]), k[1]))
+
+
+def render_limits(limits: dict) -> str:
+    if not limits:
+        return "_no physical-limit run_\n"
+    names = ["scatter", "broadcast", "gather", "all_gather", "memcpy", "file_read", "file_read_all", "file_write"]
+    out = ["| ranks | model GB | buffer MB | " + " | ".join(names) + " |",
+           "|---|---|---|" + "---|" * len(names)]
+    for (world, size), lim in sorted(limits.items(), key=lambda kv: (-kv[0][0], kv[0][1])):
+        out.append(f"| {world} | {size:g} | {lim['buffer_GB'] * 1e3:,.0f} | "
+                   + " | ".join(f"{lim[n]:.2f}" for n in names) + " |")
+    return "\n".join(out) + "\n"
+
+
+def render_main(rows: dict, limits: dict) -> str:
+    out = ["| scenario | method | ranks | model GB | time s (median) | min-max s | limit s | % of limit | "
+           "peak RSS r0 MB | Δ r0 MB | peak RSS r>0 MB (max) | Δ r>0 MB | sent r0 MB | sent r>0 MB | check |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in _sorted_keys(rows):
+        scenario, method, world, size = key
+        row = rows[key]
+        if row["status"] != "ok":
+            why = (row.get("error") or "").replace("|", "/").replace("\n", " ")[:220]
+            out.append(f"| {scenario} | {method} | {world} | {size:g} | **{row['status']}** | | | | | | | | | | {why} |")
+            continue
+        ideal = ideal_time(scenario, method, world, row, limits.get((world, size)))
+        pct = f"{100 * ideal / row['time']:.0f}%" if ideal and row["time"] else "-"
+        chk = str(row["check"]).replace("|", "/")[:120]
+        out.append(
+            f"| {scenario} | {method} | {world} | {size:g} | {_s(row['time'])} | {_s(row['tmin'])}-{_s(row['tmax'])} | "
+            f"{_s(ideal)} | {pct} | {_mb(row['peak0'])} | {_mb(row['delta0'])} | {_mb(row['peakN'])} | "
+            f"{_mb(row['deltaN'])} | {_mb(row['sent0'])} | {_mb(row['sentN'])} | {chk} |")
+    return "\n".join(out) + "\n"
+
+
+def _ratio(a, b, floor: float = 0.0) -> str:
+    if a is None or b is None:
+        return "-"
+    if b <= floor:
+        return "fsdptk ~0" if a > floor else "both ~0"  # below the floor a ratio is noise
+    return f"{a / b:.2f}x"
+
+
+def render_ratios(rows: dict) -> str:
+    """peer / fsdptk for time and peak RSS (>1: fsdptk is faster / leaner)."""
+    out = ["| scenario | ranks | model GB | fsdptk method | peer | time peer/fsdptk | peak RSS r0 peer/fsdptk | "
+           "peak RSS r>0 peer/fsdptk | Δ r0 peer/fsdptk | Δ r>0 peer/fsdptk | bytes sent (all ranks) peer/fsdptk |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in _sorted_keys(rows):
+        scenario, method, world, size = key
+        mine = rows[key]
+        if not method.startswith("fsdptk") or mine["status"] != "ok":
+            continue
+        for peer in PEERS:
+            other = rows.get((scenario, peer, world, size))
+            if other is None:
+                continue
+            if other["status"] != "ok":
+                out.append(f"| {scenario} | {world} | {size:g} | {method} | {peer} | {other['status']} | | | | | | |")
+                continue
+            out.append(f"| {scenario} | {world} | {size:g} | {method} | {peer} | {_ratio(other['time'], mine['time'])} | "
+                       f"{_ratio(other['peak0'], mine['peak0'])} | {_ratio(other['peakN'], mine['peakN'])} | "
+                       f"{_ratio(other['delta0'], mine['delta0'], 16e6)} | {_ratio(other['deltaN'], mine['deltaN'], 16e6)} | "
+                       f"{_ratio(other['sent_all'], mine['sent_all'], 1e6)} |")
+    return "\n".join(out) + "\n"
+
+
+def render_methods() -> str:
+    out = ["| scenario | method | what is timed |", "|---|---|---|"]
+    for scenario, methods in METHODS.items():
+        for name, m in methods.items():
+            out.append(f"| {scenario} | {name} | {m.what} |")
+    out.append("| ttfs | fsdptk | launch of `examples/train_llama.py` on every rank -> rank 0 logs step 1 |")
+    return "\n".join(out) + "\n"
+
+
+def render_tables(results: dict) -> str:
+    rows, limits = aggregate(results)
+    return ("\n## Physical limits (GB/s)\n\n" + render_limits(limits) + "\n## Results\n\n" + render_main(rows, limits)
+            + "\n## Ratios (peer / fsdptk; > 1 means fsdptk is faster or leaner)\n\n" + render_ratios(rows))
+
+
+# ----------------------------------------------------------------------------------------------
+# plots and the results page
+_COLORS = {"fsdptk": "tab:blue", "fsdptk_all": "tab:cyan", "fsdptk_shard_on_read": "tab:blue",
+           "fsdptk_rank0_read": "tab:cyan", "dcp": "tab:orange", "torchtune": "tab:green", "accelerate": "tab:red"}
+
+
+def plot(results: dict, img_dir: Path) -> list[Path]:
+    """One PNG per scenario: time, peak RSS rank 0, peak RSS ranks > 0 vs model size, per world size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, _ = aggregate(results)
+    img_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for scenario in SCENARIOS:
+        keys = [k for k in rows if k[0] == scenario and rows[k]["status"] == "ok"]
+        if not keys:
+            continue
+        worlds = sorted({k[2] for k in keys})
+        methods = [m for m in list(METHODS.get(scenario, {})) + ["fsdptk"] if any(k[1] == m for k in keys)]
+        methods = list(dict.fromkeys(methods))
+        fig, axes = plt.subplots(3, len(worlds), figsize=(4.2 * len(worlds), 9), squeeze=False)
+        for j, world in enumerate(worlds):
+            for i, (field, label) in enumerate([("time", "time (s)"), ("peak0", "peak RSS rank 0 (GB)"),
+                                                ("peakN", "peak RSS, max of ranks > 0 (GB)")]):
+                ax = axes[i][j]
+                for m in methods:
+                    pts = sorted((k[3], rows[k][field]) for k in keys if k[1] == m and k[2] == world
+                                 and rows[k].get(field) is not None)
+                    if not pts:
+                        continue
+                    xs, ys = zip(*pts)
+                    ys = ys if field == "time" else [y / 1e9 for y in ys]
+                    ax.plot(xs, ys, marker="o", label=m, color=_COLORS.get(m),
+                            linestyle="-" if m.startswith("fsdptk") else "--")
+                ax.set_xlim(left=0)
+                ax.set_ylim(bottom=0)
+                ax.set_xlabel("model size (GB)")
+                ax.set_ylabel(label)
+                if i == 0:
+                    ax.set_title(f"{world} ranks")
+                ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        fig.suptitle(SCENARIO_TITLES.get(scenario, scenario))
+        fig.tight_layout()
+        path = img_dir / f"bench_{scenario}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _load(avg) -> str:
+    return "-" if not avg else " / ".join(f"{x:.1f}" for x in avg)
+
+
+def write_docs(results: dict, page: Path, *, notes: str = "") -> list[Path]:
+    """Write the results page and its plots (into ``<page dir>/img``)."""
+    metas = results.get("meta", {})
+    metas = metas if isinstance(metas, list) else [metas]
+    pngs = plot(results, page.parent / "img")
+    rows, limits = aggregate(results)
+    problems = [f"- {k[0]} / {k[1]} at {k[2]} ranks, {k[3]:g} GB: **{r['status']}**: {r.get('error')}"
+                for k, r in sorted(rows.items()) if r["status"] != "ok"]
+    parts = [
+        "# Benchmarks: fsdptk beside PyTorch DCP, torchtune and accelerate\n",
+        "_This page is generated by `python -m benchmarks ... --write-docs`; every number below comes from the "
+        "run(s) described here; only the Notes section is written by hand._\n",
+        "## How it was produced\n",
+        "```\nbash benchmarks/setup_peers.sh\n" + "\n".join(f".venv-peers/bin/{m.get('command')}" for m in metas)
+        + "\n```\n",
+        "The raw results are in `benchmarks/results/` (`main_noopt.json` is `main.json` without its optimizer "
+        "rows, see Notes). To re-render this page from them: `.venv-peers/bin/python -m benchmarks --from-json "
+        "benchmarks/results/main_noopt.json benchmarks/results/optim.json benchmarks/results/scaling.json "
+        "benchmarks/results/scaling2.json --write-docs --notes benchmarks/NOTES.md`\n",
+    ]
+    for m in metas:
+        vers = "; ".join(f"`{py}`: " + ", ".join(f"{k} {v}" for k, v in sorted(d.items()) if v)
+                         for py, d in m.get("versions", {}).items())
+        parts += [
+            f"- `{m.get('command')}`: {m.get('date')}; {m.get('cpus')} CPUs, {m.get('mem_total_GB', 0):.0f} GB RAM, "
+            f"{m.get('platform')}; sizes {m.get('sizes')} GB of {m.get('dtype')} parameters, world sizes "
+            f"{m.get('worlds')}, {m.get('repeats')} repeat(s), {m.get('seconds', 0) / 60:.1f} min; load average "
+            f"(1/5/15 min) at the end {_load(m.get('loadavg_end'))}; versions: {vers}",
+        ]
+    parts.append("- every run: gloo over loopback on CPU, 1 torch thread per rank, fresh processes\n")
+    if notes:
+        parts += ["## Notes\n", notes.strip() + "\n"]
+    parts += [
+        "## What is measured\n",
+        "- **time**: the operation between two barriers (max over ranks), median over repeats and min-max;",
+        "- **peak RSS**: `resource.getrusage(RUSAGE_SELF).ru_maxrss` of each rank after the operation "
+        "(OS high-water mark of the whole process, so it includes the ~0.3-0.4 GB of an imported torch and "
+        "whatever the method's setup made the rank hold, e.g. the full state dict); **Δ** = peak after minus "
+        "peak before the operation;",
+        "- **sent**: bytes the rank passed to write/writev during the operation (`wchar` in `/proc/self/io`; gloo "
+        "sends with writev), minus the bytes of files it wrote; i.e. bytes sent over the process group;",
+        "- **limit s / % of limit**: the time the same bytes take at the bandwidths measured in the same run "
+        "(table below) for the data placement the method assumes (rank 0 holds/reads the data: its (w-1)/w must "
+        "leave rank 0 at the scatter bandwidth; every rank holds/reads it: each copies/reads its 1/w; gathers: "
+        "(w-1)/w into rank 0 at the gather bandwidth; save: that or the file write, the larger); "
+        "100% = as fast as the wire allows;",
+        "- **check**: after the timed part, the loaded/gathered/saved tensors' global sum of squares equals "
+        "the source's (float64), dtypes match, nothing left on meta.\n",
+        "### Methods\n", render_methods(),
+        "## Physical limits (GB/s, same run)\n", render_limits(limits),
+        "## Results\n", render_main(rows, limits),
+        "## Ratios (peer / fsdptk: > 1 means fsdptk is faster or leaner)\n", render_ratios(rows),
+        "## Plots\n",
+    ]
+    parts += [f"![{p.stem}](img/{p.name})\n" for p in pngs]
+    if problems:
+        parts += ["## Runs that did not complete, or that do not apply\n", "\n".join(problems) + "\n"]
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text("\n".join(parts))
+    return [page, *pngs]

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Create ./.venv-peers: the environment the benchmark suite runs in, with the peers it compares
+# against (torchtune 0.6.1, accelerate) beside an editable fsdptk, plus matplotlib for the plots.
+# Kept apart from ./.venv so the peers' pins never touch the project's own environment.
+#
+# Usage: bash benchmarks/setup_peers.sh        (safe to run again: pip skips what is installed)
+# Then:  .venv-peers/bin/python -m benchmarks --quick
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if [ ! -x .venv-peers/bin/python ]; then
+    "$PY" -m venv .venv-peers
+fi
+VPY=.venv-peers/bin/python
+# The CPU build of torch; an index with CUDA builds would pull several GB of CUDA wheels instead.
+"$VPY" -m pip install -q torch==2.13.0
+# torchtune 0.6.1 declares torchao without a pin; torchao 0.14.1 is the release torchtune 0.6.1
+# imports cleanly with (newer releases moved modules it imports), so it is installed without deps.
+"$VPY" -m pip install -q torchtune==0.6.1
+"$VPY" -m pip install -q --no-deps torchao==0.14.1
+"$VPY" -m pip install -q accelerate safetensors numpy psutil matplotlib
+"$VPY" -m pip install -q --no-deps -e .
+"$VPY" - <<'PY'
+import importlib.metadata as md
+for name in ("torch", "torchtune", "torchao", "accelerate", "safetensors", "matplotlib", "fsdptk"):
+    try:
+        print(f"[setup_peers] {name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"[setup_peers] {name} MISSING")
+PY

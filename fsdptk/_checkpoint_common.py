@@ -1,0 +1,179 @@
+"""Small pieces shared by the checkpoint modules: agreeing on errors across ranks, key renaming,
+tied-parameter groups, progress bars.
+
+Errors found on one rank (a file it cannot read, a directory rank 0 cannot write) are agreed with
+one small object all-gather, so every rank raises the same error instead of some ranks waiting in
+a collective that will never come.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+Rename = Union[Callable[[str], "str | None"], Mapping[str, str], None]
+
+
+# ----------------------------------------------------------------------------------------------
+# agreement across ranks
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (a list indexed by rank); ``[obj]`` without a process group."""
+    size, _ = _world()
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _exc_class(module: str, qualname: str) -> type[BaseException] | None:
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) and issubclass(obj, Exception) else None
+
+
+def raise_if_any(error: BaseException | None) -> None:
+    """Raise on every rank when any rank has an error (the lowest such rank's, same type).
+
+    The failing rank re-raises its own exception (with its traceback); the others raise an
+    exception of the same type (when it is importable there) whose message names the rank. Only
+    strings cross the wire, so an unpicklable exception cannot break the agreement.
+    """
+    payload = None
+    if error is not None:
+        payload = (type(error).__module__, type(error).__qualname__, str(error))
+    gathered = all_gather_object(payload)
+    _, me = _world()
+    for rank, item in enumerate(gathered):
+        if item is None:
+            continue
+        if rank == me and error is not None:
+            raise error
+        module, qualname, message = item
+        cls = _exc_class(module, qualname)
+        try:
+            exc = cls(f"{message} (on rank {rank})") if cls is not None else None
+        except Exception:  # noqa: BLE001 - an exception type with an unusual constructor
+            exc = None
+        raise exc or RuntimeError(f"{qualname} on rank {rank}: {message}")
+
+
+def run_agreed(fn: Callable[[], Any], *, on: bool = True) -> Any:
+    """Run ``fn`` (when ``on``) and agree on its outcome: its result, or the same error everywhere."""
+    result, error = None, None
+    if on:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank just below
+            error = e
+    raise_if_any(error)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# renaming
+def rename_keys(keys: Iterable[str], rename: Rename, *, what: str) -> dict[str, str]:
+    """``{new name: old name}`` for ``keys`` renamed by ``rename`` (None keeps every name).
+
+    Args:
+        keys: the names to rename, in order.
+        rename: a callable ``old -> new`` (``None`` drops the key) or a Mapping ``old -> new``
+            (keys it does not mention keep their name).
+        what: a description used in error messages (e.g. ``"checkpoint key"``).
+
+    Raises:
+        ValueError: two names renamed to the same one (names all three).
+        TypeError: ``rename`` of the wrong kind, or a callable returning a non-string.
+    """
+    if rename is None:
+        fn: Callable[[str], Any] = lambda k: k  # noqa: E731
+    elif isinstance(rename, Mapping):
+        fn = lambda k: rename.get(k, k)  # noqa: E731
+    elif callable(rename):
+        fn = rename
+    else:
+        raise TypeError(f"rename must be a callable, a Mapping or None, got {type(rename).__name__}")
+    out: dict[str, str] = {}
+    for old in keys:
+        new = fn(old)
+        if new is None:
+            continue
+        if not isinstance(new, str):
+            raise TypeError(f"rename returned {new!r} ({type(new).__name__}) for {what} {old!r}; "
+                            "expected a str or None")
+        if new in out:
+            raise ValueError(f"rename maps both {what}s {out[new]!r} and {old!r} to {new!r}; "
+                             "each name must be produced at most once")
+        out[new] = old
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# tied parameters
+def tie_groups(model: nn.Module) -> list[list[str]]:
+    """State-dict keys that share one tensor, grouped (first key first), only groups of 2 or more."""
+    groups: dict[int, list[str]] = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(key)
+    return [g for g in groups.values() if len(g) > 1]
+
+
+def infer_device(model: nn.Module) -> torch.device:
+    """The device of the model's first materialised tensor; else the current accelerator or CPU."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if not local.is_meta:
+            return local.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------------------------
+# memory
+_libc: Any = None
+
+
+def trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Streaming a model through bucket-sized tensors otherwise lets glibc keep every freed bucket
+    in its heap (its mmap threshold grows after the first large free): measured on 2 ranks, rank
+    0's peak RSS growth while saving a 128 MiB model with 8 MiB buckets was 128 MiB without this
+    call after each bucket and 47 MiB with it.
+    """
+    global _libc
+    if _libc is None:
+        try:
+            import ctypes
+
+            _libc = ctypes.CDLL("libc.so.6")
+            _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# progress
+def progress_bar(total: int, desc: str, enabled: bool | None) -> Any:
+    """A tqdm byte counter on rank 0 (``enabled=None``: only when stderr is a terminal)."""
+    from tqdm.auto import tqdm
+
+    _, rank = _world()
+    on = rank == 0 and (sys.stderr.isatty() if enabled is None else bool(enabled))
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=not on, file=sys.stderr, dynamic_ncols=True, leave=False)

@@ -1,0 +1,364 @@
+"""Checkpoint files: Hugging Face safetensors in and out of a sharded (or plain) model, and DCP.
+
+- :func:`load_safetensors`: a checkpoint directory (``model.safetensors``, or shards plus
+  ``model.safetensors.index.json``) into a model. Shard-on-read when every rank can see the files
+  (each rank reads only the slices of its own shards; no collective moves tensor data), rank-0-read
+  otherwise (rank 0 reads, the engine scatters each rank its bytes in buckets).
+- :func:`save_safetensors`: gathers the model bucket by bucket to rank 0, which writes every tensor
+  straight to its place in its shard file, so rank 0 holds at most one bucket beyond its own shards.
+  Atomic (see :mod:`fsdptk._safetensors_writer`); tied weights stored once by default (HF).
+- :class:`SafetensorsCheckpoint`: the lazy read-only Mapping underneath (``full_sd`` for
+  ``load_from_full_model_state_dict``).
+- DCP for resuming and offline converters: :mod:`fsdptk.dcp` (re-exported here).
+
+Every check that can fail on one rank (a file it cannot see, a directory rank 0 cannot write, a
+rename collision) is agreed before any tensor moves, so all ranks raise the same error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from fsdptk._checkpoint_common import (
+    Rename,
+    _world,
+    all_gather_object,
+    infer_device,
+    progress_bar,
+    raise_if_any,
+    rename_keys,
+    run_agreed,
+    tie_groups,
+    trim_heap,
+)
+from fsdptk._safetensors_io import INDEX_SUFFIX, CheckpointError, SafetensorsCheckpoint, parse_size
+from fsdptk._safetensors_writer import ShardedWriter, plan_shards
+from fsdptk.dcp import (
+    convert_dcp_to_safetensors,
+    convert_safetensors_to_dcp,
+    dcp_to_safetensors,
+    load_dcp,
+    safetensors_to_dcp,
+    save_dcp,
+)
+
+__all__ = [
+    "CheckpointError",
+    "SafetensorsCheckpoint",
+    "load_safetensors",
+    "save_safetensors",
+    "save_dcp",
+    "load_dcp",
+    "dcp_to_safetensors",
+    "safetensors_to_dcp",
+    "convert_dcp_to_safetensors",
+    "convert_safetensors_to_dcp",
+    "parse_size",
+]
+
+PathLike = str | os.PathLike[str]
+
+
+def _bucket(bucket_bytes: int | None) -> dict[str, int]:
+    if bucket_bytes is None:
+        return {}
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    return {"bucket_bytes": bucket_bytes}
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+class _CountingSlice:
+    """A safetensors slice that reports the first read of its key to a progress bar."""
+
+    def __init__(self, inner: Any, on_read: Any) -> None:
+        self._inner, self._on_read = inner, on_read
+
+    def get_shape(self) -> list[int]:
+        return self._inner.get_shape()
+
+    def get_dtype(self) -> str:
+        return self._inner.get_dtype()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        out = self._inner[index]
+        self._on_read()
+        return out
+
+
+class _ModelView(Mapping[str, torch.Tensor]):
+    """The checkpoint under model names (renamed), counting the bytes of each key on first read."""
+
+    def __init__(self, ckpt: SafetensorsCheckpoint, names: dict[str, str], bar: Any) -> None:
+        self._ckpt, self._names, self._bar = ckpt, names, bar
+        self._seen: set[str] = set()
+
+    def _count(self, key: str) -> None:
+        if key not in self._seen:
+            self._seen.add(key)
+            self._bar.update(self._ckpt.nbytes(self._names[key]))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        out = self._ckpt[self._names[key]]
+        self._count(key)
+        return out
+
+    def get_slice(self, key: str) -> _CountingSlice:
+        return _CountingSlice(self._ckpt.get_slice(self._names[key]), lambda: self._count(key))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._names
+
+
+def _open_agreed(path: Path, shard_on_read: bool | None) -> tuple[SafetensorsCheckpoint | None, bool]:
+    """Open the checkpoint where it will be read; agree on the mode (and on errors) across ranks.
+
+    ``None`` (auto) means shard-on-read when every rank can open the files (headers checked), else
+    rank-0-read when rank 0 can; an error is raised on every rank only when rank 0 cannot read it
+    or an explicit ``shard_on_read=True`` rank cannot.
+    """
+    _, rank = _world()
+    ckpt, error = None, None
+    if shard_on_read is not False or rank == 0:
+        try:
+            ckpt = SafetensorsCheckpoint(path)
+        except Exception as e:  # noqa: BLE001 - agreed below
+            error = e
+    views = all_gather_object((shard_on_read, ckpt is not None))
+    modes = {mode for mode, _ in views}
+    if len(modes) > 1:
+        if ckpt is not None:
+            ckpt.close()
+        raise ValueError(f"ranks passed different shard_on_read values {[m for m, _ in views]}; "
+                         "pass the same value (or None) on every rank")
+    if shard_on_read is None:
+        shard_on_read = all(ok for _, ok in views)
+        if not shard_on_read and views[0][1]:  # rank 0 reads and scatters; the others need nothing
+            if rank != 0 and ckpt is not None:
+                ckpt.close()
+            return (ckpt if rank == 0 else None), False
+    raise_if_any(error)
+    return ckpt, shard_on_read
+
+
+def load_safetensors(
+    model: nn.Module,
+    path: PathLike,
+    *,
+    device: torch.device | str | None = None,
+    shard_on_read: bool | None = None,
+    rename: Rename = None,
+    strict: bool = False,
+    cpu_offload: bool = False,
+    bucket_bytes: int | None = None,
+    progress: bool | None = None,
+) -> Any:
+    """Load a safetensors checkpoint (HF layout) into a sharded or plain model.
+
+    Call it on every rank after ``shard_model`` (the model may still be on ``meta``). Keys,
+    shapes and dtypes are agreed on every rank before any data moves; values are cast to the
+    model's dtypes; tied parameters stored once (HF convention, under any of their names) are
+    loaded from that key and stay one Parameter.
+
+    Args:
+        model: the model (FSDP2-sharded, tensor-parallel, or plain).
+        path: a ``.safetensors`` file, an index file, or a directory (see
+            :class:`SafetensorsCheckpoint`).
+        device: where the shards go (default: the model's device, or the current accelerator / CPU
+            for a meta model).
+        shard_on_read: ``True``: every rank opens the files and reads only its own slices (no
+            collective for tensor data); ``False``: rank 0 reads and scatters each rank its bytes;
+            ``None`` (default): ``True`` when every rank can open the files (their headers are
+            checked on every rank), else rank-0-read; agreed across ranks.
+        rename: checkpoint name -> model name: a callable (returning ``None`` skips the key) or a
+            Mapping (unmentioned keys keep their name). Two keys renamed to one name is an error.
+        strict: raise when keys are missing or unexpected (as ``load_state_dict``).
+        cpu_offload: keep the loaded shards on CPU (FSDP2 CPU offload).
+        bucket_bytes: full-tensor bytes per scatter bucket for rank-0-read (default: the engine's,
+            128 MiB); bounds rank 0's memory beyond its shards.
+        progress: a tqdm bar of checkpoint bytes on rank 0 (``None``: only on a terminal).
+
+    Returns:
+        ``_IncompatibleKeys(missing_keys, unexpected_keys)`` in model names (as
+        ``load_from_full_model_state_dict``).
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path`` (or a shard missing), on every rank.
+        CheckpointError: a corrupt/truncated file, an index naming a key its file lacks, on every
+            rank.
+        ValueError: a rename collision, a shape mismatch, or strict with missing/unexpected keys.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from fsdptk import save_safetensors, load_safetensors
+        >>> d = tempfile.mkdtemp()
+        >>> src = torch.nn.Linear(4, 2)
+        >>> _ = save_safetensors(src, d)
+        >>> dst = torch.nn.Linear(4, 2)
+        >>> load_safetensors(dst, d, strict=True)
+        <All keys matched successfully>
+        >>> torch.equal(dst.weight, src.weight)
+        True
+    """
+    from fsdptk.state_dict import load_from_full_model_state_dict
+
+    path = Path(path)
+    if shard_on_read is not None and not isinstance(shard_on_read, bool):
+        raise TypeError(f"shard_on_read must be a bool or None, got {shard_on_read!r}")
+    ckpt, shard_on_read = _open_agreed(path, shard_on_read)
+    reads = ckpt is not None
+    try:
+        names = run_agreed(lambda: rename_keys(ckpt.keys(), rename, what="checkpoint key"), on=reads)
+        total = sum(ckpt.nbytes(names[k]) for k in names) if reads else 0
+        with progress_bar(total, f"load {path.name}", progress) as bar:
+            view: Mapping[str, Any] = _ModelView(ckpt, names, bar) if reads else {}
+            return load_from_full_model_state_dict(
+                model, view, infer_device(model) if device is None else torch.device(device),
+                strict=strict, cpu_offload=cpu_offload, release_sd=False,
+                broadcast_from_rank0=not shard_on_read, **_bucket(bucket_bytes))
+    finally:
+        if ckpt is not None:
+            ckpt.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# saving
+def _save_items(model: nn.Module, tied: str, rename: Rename, dtype: torch.dtype | None
+                ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str], dict[str, torch.dtype]]:
+    """(model items to gather, {model key: file key}, {model key: dtype in the file})."""
+    if tied not in ("omit", "both"):
+        raise ValueError(f"tied must be 'omit' or 'both', got {tied!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    sd = model.state_dict(keep_vars=True)
+    skip = {k for g in tie_groups(model) for k in g[1:]} if tied == "omit" else set()
+    items = [(k, t) for k, t in sd.items() if k not in skip]
+    out_name = {old: new for new, old in rename_keys([k for k, _ in items], rename,
+                                                     what="model key").items()}
+    items = [(k, t) for k, t in items if k in out_name]
+    dtypes = {k: dtype if (dtype is not None and t.dtype.is_floating_point) else t.dtype
+              for k, t in items}
+    return items, out_name, dtypes
+
+
+def _stream(buckets: Iterator[list[tuple[str, torch.Tensor]]], writer: ShardedWriter | None,
+            out_name: dict[str, str], dtypes: dict[str, torch.dtype], bar: Any
+            ) -> tuple[BaseException | None, Path | None]:
+    """Write every gathered tensor (rank 0) and commit; a write error is kept, not raised, so that
+    every rank still runs every collective of ``buckets`` and the error is agreed afterwards."""
+    error: BaseException | None = None
+    with bar:
+        for bucket in buckets:
+            for key, full in bucket:  # rank 0 only; the other ranks get empty buckets
+                if error is None and writer is not None:
+                    try:
+                        bar.update(writer.write(out_name[key], full.to(dtypes[key])))
+                    except Exception as e:  # noqa: BLE001 - agreed after the collectives
+                        error = e
+                del full
+            if writer is not None:
+                del bucket
+                trim_heap()
+    if writer is None:
+        return error, None
+    try:
+        if error is None:
+            return None, writer.commit()
+    except Exception as e:  # noqa: BLE001
+        error = e
+    writer.abort()
+    return error, None
+
+
+def save_safetensors(
+    model: nn.Module,
+    path: PathLike,
+    *,
+    max_shard_size: int | str = "5GB",
+    tied: Literal["omit", "both"] = "omit",
+    dtype: torch.dtype | None = None,
+    rename: Rename = None,
+    metadata: Mapping[str, str] | None = None,
+    bucket_bytes: int | None = None,
+    progress: bool | None = None,
+) -> Path:
+    """Save a (sharded) model as a Hugging Face safetensors checkpoint directory, streaming.
+
+    Call on every rank. Shards are gathered to rank 0 in buckets (the engine's ``collect``) and each
+    full tensor is written straight to its offset in its file and dropped, so rank 0 holds at most
+    one bucket beyond its own shards, whatever the model size. The layout is planned from metadata
+    first: ``model.safetensors`` when everything fits in ``max_shard_size``, else
+    ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``
+    (``metadata.total_size``, ``weight_map``). Files are written under temporary names, fsync-ed and
+    renamed, the index last; a failed save leaves an existing checkpoint in ``path`` as it was, and
+    other files in ``path`` (``config.json``, ...) are kept. NF4 weights are written dequantised.
+
+    Args:
+        model: the model (FSDP2-sharded, tensor-parallel, or plain). Non-persistent buffers are
+            not saved.
+        path: the output directory (created if needed; may hold a previous checkpoint).
+        max_shard_size: bytes per file (int, or ``"5GB"``, ``"500MiB"``, ...). A tensor larger
+            than this gets a file of its own.
+        tied: ``"omit"`` (default, HF convention): a tensor shared by several keys is stored once,
+            under its first key; ``"both"``: under every key.
+        dtype: cast floating tensors to this dtype in the file (integer tensors are kept).
+        rename: model name -> file name: a callable (``None`` skips the key) or a Mapping.
+        metadata: extra string metadata for every file's header (``format: pt`` is always set).
+        bucket_bytes: full-tensor bytes gathered per step (default: the engine's, 128 MiB): rank
+            0's memory beyond its own shards is about one bucket.
+        progress: a tqdm bar of bytes written on rank 0 (``None``: only on a terminal).
+
+    Returns:
+        Path: the index file, or the single ``model.safetensors`` (on every rank).
+
+    Raises:
+        ValueError: bad ``tied`` / ``max_shard_size``, or a rename collision (every rank).
+        OSError: the directory cannot be created or written, or has too little free space; raised
+            on every rank, with no file of the new checkpoint left behind.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from safetensors.torch import load_file
+        >>> from fsdptk import save_safetensors
+        >>> d = tempfile.mkdtemp()
+        >>> save_safetensors(torch.nn.Linear(4, 2), d).name
+        'model.safetensors'
+        >>> sorted(load_file(f"{d}/model.safetensors"))
+        ['bias', 'weight']
+    """
+    from fsdptk._engine import collect
+
+    path = Path(path)
+    limit = parse_size(max_shard_size)
+    bucket = _bucket(bucket_bytes)
+    items, out_name, dtypes = _save_items(model, tied, rename, dtype)
+    entries = [(out_name[k], dtypes[k], tuple(t.shape)) for k, t in items]
+    files = plan_shards(entries, limit)  # validates dtypes on every rank
+    _, rank = _world()
+    writer: ShardedWriter | None = run_agreed(
+        lambda: ShardedWriter(path, entries, max_shard_size=limit, metadata=metadata), on=rank == 0)
+    try:
+        error, result = _stream(collect(items, **bucket), writer, out_name, dtypes,
+                                progress_bar(writer.total_size if writer else 0, f"save {path.name}",
+                                             progress))
+    except BaseException:  # the engine failed on every rank: leave nothing behind
+        if writer is not None:
+            writer.abort()
+        raise
+    raise_if_any(error)
+    if result is not None:
+        return result
+    return path / (files[0].name if len(files) == 1 else "model" + INDEX_SUFFIX)

@@ -1,0 +1,393 @@
+"""``fsdptk`` / ``python -m fsdptk``: the shell side of fsdptk.
+
+Subcommands:
+
+- ``plan MODULE:FACTORY --world-size N``: the dry-run sharding report (:func:`fsdptk.describe_sharding`)
+  of a model built on the meta device by ``FACTORY()`` from ``MODULE``.
+- ``inspect PATH``: keys, shapes, dtypes and total size of a checkpoint (a ``.safetensors`` file, a
+  directory of them, a DCP directory, or a ``torch.save`` file), without loading tensor data.
+- ``convert SRC DST``: DCP directory <-> safetensors, memory-bounded (:mod:`fsdptk.checkpoint`).
+- ``demo``: the end-to-end example ``examples/train_llama.py``, launched on N local processes.
+
+Exit codes: 0 success, 1 a bad path or a failure with a message on stderr, 2 bad arguments
+(argparse's convention), otherwise the demo's own exit code.
+
+Example:
+    .. code-block:: bash
+
+        fsdptk plan examples.llama:tiny --world-size 4
+        fsdptk inspect runs/llama/checkpoints/step_000300/model.safetensors
+        fsdptk demo --nproc 2 --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import importlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main", "build_parser", "CLIError", "inspect_checkpoint", "TensorInfo"]
+
+# the demo script, for a source checkout (it is not part of the installed package)
+_REPO_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_llama.py"
+
+
+class CLIError(Exception):
+    """A user-facing failure: printed as ``fsdptk <command>: error: <message>``, exit code 1."""
+
+
+# ----------------------------------------------------------------------------------------------
+# inspect
+class TensorInfo(dict):
+    """One checkpoint entry: ``{"key", "dtype", "shape", "nbytes"}`` (a dict, JSON-ready)."""
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+_ST_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+_ST_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+             "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32",
+             "U64": "uint64"}
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _inspect_safetensors(files: Sequence[Path]) -> list[TensorInfo]:
+    """Read only the JSON headers of safetensors files."""
+    out = []
+    for f in files:
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if n <= 0 or n > 100 * 2**20:
+                    raise ValueError(f"header length {n}")
+                header = json.loads(fh.read(n))
+        except (OSError, ValueError) as e:
+            raise CLIError(f"{f} is not a readable safetensors file ({e})") from e
+        for key, meta in header.items():
+            if key == "__metadata__":
+                continue
+            code = meta["dtype"]
+            shape = list(meta["shape"])
+            nbytes = meta["data_offsets"][1] - meta["data_offsets"][0]
+            out.append(TensorInfo(key=key, dtype=_ST_NAMES.get(code, code), shape=shape, nbytes=nbytes))
+    return out
+
+
+def _inspect_dcp(directory: Path) -> list[TensorInfo]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    try:
+        meta = FileSystemReader(str(directory)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any unreadable metadata is a bad path for the user
+        raise CLIError(f"{directory}/.metadata is not readable DCP metadata ({type(e).__name__}: {e})") from e
+    out = []
+    for key, md in meta.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            out.append(TensorInfo(key=key, dtype="object", shape=[], nbytes=0))
+            continue
+        dtype = md.properties.dtype
+        shape = list(md.size)
+        out.append(TensorInfo(key=key, dtype=_dtype_name(dtype), shape=shape,
+                              nbytes=_numel(shape) * dtype.itemsize))
+    return out
+
+
+def _inspect_torch_save(path: Path) -> list[TensorInfo]:
+    import torch
+
+    try:
+        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CLIError(f"{path} is not a readable torch.save file ({type(e).__name__}: {e})") from e
+    out: list[TensorInfo] = []
+
+    def walk(prefix: str, x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            out.append(TensorInfo(key=prefix, dtype=_dtype_name(x.dtype), shape=list(x.shape),
+                                  nbytes=x.numel() * x.element_size()))
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(x, (list, tuple)) and any(isinstance(v, (torch.Tensor, dict)) for v in x):
+            for i, v in enumerate(x):
+                walk(f"{prefix}.{i}" if prefix else str(i), v)
+
+    walk("", obj)
+    return out
+
+
+def inspect_checkpoint(path: str | os.PathLike[str]) -> tuple[str, list[TensorInfo]]:
+    """Describe a checkpoint's entries without loading tensor data (except for ``torch.save`` files,
+    which are memory-mapped).
+
+    Args:
+        path: a ``.safetensors`` file; a directory with ``*.safetensors`` files; a DCP directory
+            (with ``.metadata``); or a ``torch.save`` file (``.pt``/``.pth``/``.bin``).
+
+    Returns:
+        tuple[str, list[TensorInfo]]: the detected format (``"safetensors"``, ``"dcp"`` or
+        ``"torch"``) and one entry per tensor, in file order.
+
+    Raises:
+        CLIError: when the path does not exist or holds no recognisable checkpoint.
+
+    Example:
+        >>> import tempfile, torch
+        >>> from safetensors.torch import save_file
+        >>> from fsdptk.cli import inspect_checkpoint
+        >>> d = tempfile.mkdtemp()
+        >>> save_file({"w": torch.zeros(2, 3)}, f"{d}/m.safetensors")
+        >>> inspect_checkpoint(f"{d}/m.safetensors")
+        ('safetensors', [{'key': 'w', 'dtype': 'float32', 'shape': [2, 3], 'nbytes': 24}])
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CLIError(f"no such file or directory: {p}")
+    if p.is_dir():
+        if (p / ".metadata").is_file():
+            return "dcp", _inspect_dcp(p)
+        files = sorted(p.glob("*.safetensors"))
+        if files:
+            return "safetensors", _inspect_safetensors(files)
+        raise CLIError(f"{p} holds neither *.safetensors files nor a DCP .metadata file")
+    if p.suffix == ".safetensors":
+        return "safetensors", _inspect_safetensors([p])
+    if p.suffix in {".pt", ".pth", ".bin"}:
+        return "torch", _inspect_torch_save(p)
+    raise CLIError(f"{p}: unknown checkpoint type (expected .safetensors, .pt/.pth/.bin or a directory)")
+
+
+def _human(nbytes: int) -> str:
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.2f} {unit}"
+        size /= 1024
+    raise AssertionError  # unreachable
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    fmt, infos = inspect_checkpoint(args.path)
+    if args.filter:
+        infos = [i for i in infos if fnmatch.fnmatchcase(i["key"], args.filter)]
+    total = sum(i["nbytes"] for i in infos)
+    if args.json:
+        print(json.dumps({"format": fmt, "path": str(args.path), "tensors": infos,
+                          "num_tensors": len(infos), "total_bytes": total}, indent=1))
+        return 0
+    width = max([len(i["key"]) for i in infos] + [3])
+    print(f"{args.path} ({fmt})")
+    print(f"{'key':<{width}}  {'dtype':<9}  {'shape':<18}  size")
+    for i in infos:
+        shape = "(" + ", ".join(map(str, i["shape"])) + ")"
+        print(f"{i['key']:<{width}}  {i['dtype']:<9}  {shape:<18}  {_human(i['nbytes'])}")
+    numel = sum(_numel(i["shape"]) for i in infos if i["dtype"] != "object")
+    print(f"total: {len(infos)} tensors, {numel:,} elements, {_human(total)} ({total:,} bytes)")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# plan
+def _load_factory(spec: str) -> Any:
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise CLIError(f"model must be given as MODULE:FACTORY (e.g. examples.llama:tiny), got {spec!r}")
+    if os.getcwd() not in sys.path:  # like `python -m`: modules of the current directory import
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise CLIError(f"cannot import module {module_name!r} ({e})") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise CLIError(f"module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise CLIError(f"{spec} is not callable")
+    return obj
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from fsdptk import describe_sharding, get_shard_conditions
+    from fsdptk.predicates import by_glob
+
+    factory = _load_factory(args.model)
+    try:
+        kwargs = json.loads(args.kwargs)
+    except json.JSONDecodeError as e:
+        raise CLIError(f"--kwargs is not valid JSON ({e}): {args.kwargs!r}") from e
+    if not isinstance(kwargs, dict):
+        raise CLIError(f"--kwargs must be a JSON object, got {args.kwargs!r}")
+    with torch.device("meta"):
+        model = factory(**kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise CLIError(f"{args.model}(...) returned {type(model).__name__}, not an nn.Module")
+    conditions: list[Any] = [get_shard_conditions] if not args.no_layers else []
+    if args.glob:
+        conditions.append(by_glob(*args.glob))
+    if not conditions:
+        raise CLIError("no shard condition: drop --no-layers or give --glob PATTERN")
+    try:
+        plan = describe_sharding(model, conditions, world_size=args.world_size)
+    except ValueError as e:
+        raise CLIError(str(e)) from e
+    print(plan)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# convert
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from fsdptk import checkpoint as ckpt
+
+    src, dst = Path(args.src), Path(args.dst)
+    if not src.exists():
+        raise CLIError(f"no such file or directory: {src}")
+    to = args.to
+    if to is None:
+        to = "safetensors" if (src.is_dir() and (src / ".metadata").is_file()) else "dcp"
+    prefix = args.prefix
+    try:
+        if to == "safetensors":
+            if not (src.is_dir() and (src / ".metadata").is_file()):
+                raise CLIError(f"{src} is not a DCP checkpoint directory (no .metadata file)")
+            out = ckpt.dcp_to_safetensors(src, dst, prefix=prefix or None,
+                                          max_shard_size=args.max_shard_size)
+        else:
+            if not (src.suffix == ".safetensors" or (src.is_dir() and any(src.glob("*.safetensors")))):
+                raise CLIError(f"{src} is neither a .safetensors file nor a directory of them")
+            out = ckpt.safetensors_to_dcp(src, dst, prefix=prefix)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError; FileNotFoundError an OSError
+        raise CLIError(f"{type(e).__name__}: {e}") from e
+    print(f"wrote {to}: {out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# demo
+def _cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
+    script = Path(args.script) if args.script else _REPO_EXAMPLE
+    if not script.is_file():
+        raise CLIError(
+            f"example script not found: {script} (the demo runs examples/train_llama.py from a source "
+            "checkout; pass --script PATH)"
+        )
+    base = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={args.nproc}", str(script), *extra]
+    runs = [base + ["--stop-after", str(args.interrupt_at)], base] if args.interrupt_at else [base]
+    for i, cmd in enumerate(runs):
+        if len(runs) > 1:
+            what = f"interrupted at step {args.interrupt_at}" if i == 0 else "resumed"
+            print(f"[demo] run {i + 1}/{len(runs)} ({what}): {' '.join(cmd)}", flush=True)
+        else:
+            print(f"[demo] {' '.join(cmd)}", flush=True)
+        rc = subprocess.call(cmd)
+        if rc != 0:
+            print(f"fsdptk demo: error: the example exited with code {rc}", file=sys.stderr)
+            return rc
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``fsdptk`` command (exposed for documentation and tests)."""
+    parser = argparse.ArgumentParser(prog="fsdptk", description="fsdptk command line: plan, inspect, convert, demo.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("plan", help="dry-run sharding report of a model for a world size")
+    p.add_argument("model", help="MODULE:FACTORY, called on the meta device (e.g. examples.llama:tiny)")
+    p.add_argument("--world-size", type=int, required=True, help="ranks each parameter is sharded over")
+    p.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for FACTORY")
+    p.add_argument("--glob", action="append", default=[], metavar="PATTERN",
+                   help="also make modules whose FQN matches PATTERN units (repeatable)")
+    p.add_argument("--no-layers", action="store_true", help="do not use the default `layers.<i>` rule")
+
+    p = sub.add_parser("inspect", help="keys, shapes, dtypes and size of a checkpoint")
+    p.add_argument("path", help=".safetensors file, directory of them, DCP directory, or .pt file")
+    p.add_argument("--filter", metavar="GLOB", help="only keys matching GLOB")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("convert", help="DCP directory <-> safetensors")
+    p.add_argument("src", help="a DCP directory, or a .safetensors file / directory of them")
+    p.add_argument("dst", help="output path")
+    p.add_argument("--to", choices=["safetensors", "dcp"], default=None,
+                   help="target format (default: the other one)")
+    p.add_argument("--prefix", default="model.",
+                   help="DCP key prefix of the model's tensors: stripped when writing safetensors, "
+                        "added when writing DCP ('model.' is what fsdptk.save_dcp writes; '' = all keys)")
+    p.add_argument("--max-shard-size", default="5GB", help="safetensors bytes per file (e.g. 500MB)")
+
+    p = sub.add_parser("demo", help="run examples/train_llama.py on local processes; "
+                                    "other arguments go to the example",
+                       allow_abbrev=False)  # `--s...` of the example must not match `--script`
+    p.add_argument("--nproc", type=int, default=2, help="processes (torchrun --nproc_per_node)")
+    p.add_argument("--interrupt-at", type=int, default=None, metavar="STEP",
+                   help="stop the first run at STEP, then run again to show it resuming")
+    p.add_argument("--script", default=None, help="the example script (default: the checkout's)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``fsdptk`` and ``python -m fsdptk``.
+
+    Args:
+        argv: arguments without the program name (``None``: ``sys.argv[1:]``).
+
+    Returns:
+        int: the exit code (0 ok, 1 bad path or failure, 2 bad arguments).
+
+    Example:
+        >>> from fsdptk.cli import main
+        >>> main(["inspect", "/does/not/exist"])
+        1
+    """
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if extra and args.command != "demo":
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        if args.command == "plan" and args.world_size < 1:
+            parser.error(f"argument --world-size: must be >= 1, got {args.world_size}")
+        if args.command == "demo" and args.nproc < 1:
+            parser.error(f"argument --nproc: must be >= 1, got {args.nproc}")
+    except SystemExit as e:  # argparse: 2 for bad arguments, 0 for --help
+        return int(e.code) if isinstance(e.code, int) else 2
+    try:
+        if args.command == "inspect":
+            return _cmd_inspect(args)
+        if args.command == "plan":
+            return _cmd_plan(args)
+        if args.command == "convert":
+            return _cmd_convert(args)
+        return _cmd_demo(args, extra)
+    except CLIError as e:
+        print(f"fsdptk {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `fsdptk inspect ... | head`
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,391 @@
+"""Optimizer state: a sharded optimizer <-> a full optimizer state keyed by parameter FQN.
+
+The full state has the layout of PyTorch DCP's ``get_optimizer_state_dict(model, opt,
+options=StateDictOptions(full_state_dict=True))``::
+
+    {"state": {fqn: {"step": tensor(10.), "exp_avg": full tensor, ...}},
+     "param_groups": [{"lr": ..., "betas": ..., ..., "params": [fqn, ...]}]}
+
+Gathering streams state tensors to rank 0 bucket by bucket and loading sends each rank only its
+shard bytes, both through :mod:`fsdptk._engine` (the engine model state uses). Unlike DCP and
+torchtune there is no fake optimizer step: parameters without state (frozen, or an optimizer that
+has not stepped yet) simply have no entry in ``"state"``. Loading matches parameters and param
+groups by FQN, never by position, and also accepts a plain single-process ``opt.state_dict()``
+(integer ids). See ``docs/optimizer.md`` for the FQN rule (tied parameters: the first name).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from fsdptk import _engine
+from fsdptk._checkpoint_common import all_gather_object
+from fsdptk._engine import DEFAULT_BUCKET_BYTES
+from fsdptk._optim_layout import (PARAMS, PG, STATE, LoadView, StateSource, local_osd, optim_groups, param_fqns,
+                                  plan_load, to_fqn_layout)
+
+__all__ = [
+    "get_full_optimizer_state_dict",
+    "iter_full_optimizer_state",
+    "get_optimizer_param_groups",
+    "load_from_full_optimizer_state_dict",
+    "to_fqn_optimizer_state_dict",
+]
+
+# ---------------------------------------------------------------------------------------------
+# gather
+
+
+def _gather_layout(model: nn.Module, opt: torch.optim.Optimizer
+                   ) -> tuple[list[tuple[str, Any, Any]], list[dict[str, Any]]]:
+    """``[(fqn, key, live value), ...]`` in ``opt.state_dict()`` order, and the FQN param groups."""
+    ours = optim_groups(model, opt)
+    osd = opt.state_dict()
+    pid_fqn = {pid: fqn for saved, group in zip(osd[PG], ours)
+               for pid, (fqn, _) in zip(saved[PARAMS], group)}
+    entries = [(pid_fqn[pid], key, value) for pid, per_param in osd[STATE].items()
+               for key, value in per_param.items()]
+    groups = [{k: ([pid_fqn[i] for i in v] if k == PARAMS else copy.deepcopy(v)) for k, v in g.items()}
+              for g in osd[PG]]
+    return entries, groups
+
+
+def get_optimizer_param_groups(model: nn.Module, opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's param groups with parameter FQNs in ``"params"`` (no communication).
+
+    The ``"param_groups"`` part of :func:`get_full_optimizer_state_dict`, for checkpoint writers
+    that stream the state with :func:`iter_full_optimizer_state`. Identical on every rank.
+
+    Args:
+        model: the (sharded) model the optimizer's parameters belong to.
+        opt: the optimizer.
+
+    Returns:
+        list[dict]: one dict per group: its hyper-parameters (copies) and ``"params": [fqn, ...]``.
+
+    Raises:
+        ValueError: a parameter of the optimizer is not a parameter of the model.
+
+    Example:
+        >>> import torch
+        >>> from fsdptk import get_optimizer_param_groups
+        >>> model = torch.nn.Linear(2, 3)
+        >>> opt = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias], "lr": 0.0}], lr=0.1)
+        >>> [(g["lr"], g["params"]) for g in get_optimizer_param_groups(model, opt)]
+        [(0.1, ['weight']), (0.0, ['bias'])]
+    """
+    return _gather_layout(model, opt)[1]
+
+
+def iter_full_optimizer_state(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """Stream the full optimizer state to rank 0 as buckets of ``(fqn, per-parameter state)``.
+
+    The streaming form of :func:`get_full_optimizer_state_dict` for checkpoint writers: write each
+    bucket and drop it, so no rank ever holds more than one bucket of full state tensors (plus the
+    state of one parameter that straddles two buckets). State tensors (DTensors on any mesh, or
+    plain tensors) are gathered with :func:`fsdptk._engine.collect` (point to point to rank 0, one
+    replica per HSDP group); plain tensors (``step``) and python values are taken from rank 0.
+    Each parameter's state is yielded once, complete, in ``opt.state_dict()`` order; parameters
+    without state are not yielded. Pair it with :func:`get_optimizer_param_groups`.
+
+    Args:
+        model: the (sharded) model; the same structure on every rank.
+        opt: its optimizer.
+        bucket_bytes: full-tensor bytes per gather bucket.
+
+    Returns:
+        Iterator[list[tuple[str, dict]]]: on rank 0 one list per bucket (possibly empty) of
+        ``(fqn, {key: full CPU tensor or value})``; ``[]`` per bucket on the other ranks. Every
+        rank must exhaust the iterator (it runs collectives).
+
+    Raises:
+        ValueError: on every rank, when the optimizer holds a parameter the model lacks, a state
+            tensor is on ``meta`` or the ranks' states differ in keys, shapes or dtypes.
+
+    Example:
+        >>> import torch
+        >>> from fsdptk import iter_full_optimizer_state
+        >>> model = torch.nn.Linear(2, 3)
+        >>> opt = torch.optim.Adam(model.parameters())
+        >>> model(torch.ones(1, 2)).sum().backward(); opt.step()
+        >>> [(fqn, sorted(st)) for bucket in iter_full_optimizer_state(model, opt) for fqn, st in bucket]
+        [('weight', ['exp_avg', 'exp_avg_sq', 'step']), ('bias', ['exp_avg', 'exp_avg_sq', 'step'])]
+    """
+    yield from _iter_state(_gather_layout(model, opt)[0], bucket_bytes)
+
+
+def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int
+                ) -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    names = [f"{STATE}.{fqn}.{key}" for fqn, key, _ in entries]
+    items = [(n, v) for n, (_, _, v) in zip(names, entries) if isinstance(v, torch.Tensor)]
+    last = {fqn: i for i, (fqn, _, _) in enumerate(entries)}  # index of each fqn's last entry
+    rank0 = _engine._world()[1] == 0
+    cursor, current = 0, {}
+
+    def advance(arrived: dict[str, torch.Tensor]) -> list[tuple[str, dict[str, Any]]]:
+        nonlocal cursor, current
+        done = []
+        while cursor < len(entries):
+            fqn, key, value = entries[cursor]
+            if isinstance(value, torch.Tensor):
+                if names[cursor] not in arrived:
+                    break
+                value = arrived.pop(names[cursor])
+            else:
+                value = copy.deepcopy(value)
+            current[key] = value
+            if last[fqn] == cursor:
+                done.append((fqn, current))
+                current = {}
+            cursor += 1
+        return done
+
+    arrived: dict[str, torch.Tensor] = {}
+    for bucket in _engine.collect(items, bucket_bytes=bucket_bytes):
+        arrived.update(bucket)
+        yield advance(arrived) if rank0 else []
+    if rank0 and cursor < len(entries):  # trailing non-tensor values
+        yield advance(arrived)
+
+
+def get_full_optimizer_state_dict(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    is_rank_zero: bool,
+    device: torch.device | None = None,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> dict[str, Any]:
+    """Gather the full optimizer state, keyed by parameter FQN, on rank 0 (``{}`` elsewhere).
+
+    The layout is DCP's full optimizer state dict: ``{"state": {fqn: {key: value}},
+    "param_groups": [{..., "params": [fqn, ...]}]}``. State tensors shaped like their parameter are
+    gathered as full CPU tensors (bucket by bucket, to rank 0 only: other ranks never hold more
+    than one bucket); ``step`` and python values are copied from rank 0. No fake optimizer step:
+    parameters without state (frozen ones, or before the first ``opt.step()``) have no ``"state"``
+    entry but are listed in their group. A tied parameter appears once, under its first FQN.
+
+    Args:
+        model: the (sharded) model the optimizer's parameters belong to (1-D FSDP, HSDP,
+            FSDP + TP, CPU offload or unsharded).
+        opt: the optimizer (any ``torch.optim`` optimizer whose state values are tensors shaped
+            like their parameter, scalars, or python values).
+        is_rank_zero: whether this is global rank 0 (the dict is returned where this is True).
+        device: accepted for torchtune compatibility; results are always on CPU.
+        bucket_bytes: full-tensor bytes per gather bucket.
+
+    Returns:
+        dict: the full state on rank 0 (fresh CPU tensors, not shared with the optimizer); ``{}``
+        on the other ranks.
+
+    Raises:
+        ValueError: on every rank, when the optimizer holds a parameter the model lacks (e.g. it
+            was created before sharding), or the ranks' states differ.
+
+    Example:
+        >>> import torch
+        >>> from fsdptk import get_full_optimizer_state_dict
+        >>> model = torch.nn.Linear(2, 3)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> model(torch.ones(1, 2)).sum().backward(); opt.step()
+        >>> osd = get_full_optimizer_state_dict(model, opt, is_rank_zero=True)
+        >>> list(osd["state"]), osd["param_groups"][0]["params"], osd["state"]["bias"]["momentum_buffer"]
+        (['weight', 'bias'], ['weight', 'bias'], tensor([1., 1., 1.]))
+    """
+    del device
+    entries, groups = _gather_layout(model, opt)
+    state: dict[str, dict[str, Any]] = {}
+    for bucket in _iter_state(entries, bucket_bytes):
+        state.update(bucket)
+    if not (is_rank_zero and _engine._world()[1] == 0):
+        return {}
+    return {STATE: state, PG: groups}
+
+
+# ---------------------------------------------------------------------------------------------
+# load
+
+
+def to_fqn_optimizer_state_dict(
+    model: nn.Module,
+    osd: Mapping[str, Any],
+    *,
+    param_names: Sequence[str] | None = None,
+    opt: torch.optim.Optimizer | None = None,
+) -> dict[str, Any]:
+    """Convert a plain single-process ``opt.state_dict()`` (integer ids) to the FQN layout.
+
+    Which parameter an integer id names, in this order of preference:
+
+    1. the groups' own ``"param_names"`` (torch adds them when an optimizer is built over
+       ``model.named_parameters()``);
+    2. ``param_names``: ``param_names[i]`` is the FQN of id ``i``;
+    3. ``opt``, when every saved group has as many ids as the same group of ``opt``: ids follow
+       ``opt``'s groups in order, which is torch's own ``Optimizer.load_state_dict`` rule (right
+       when ``opt`` is built by the same code as the saved optimizer, e.g. decay / no-decay groups);
+    4. ``model.named_parameters()`` order: id ``i`` is the ``i``-th parameter (right for an
+       optimizer built as ``Opt(model.parameters())``).
+
+    An FQN-keyed input is returned with tied-parameter aliases renamed to their first FQN. No
+    communication; the result is a new dict whose per-parameter state dicts are the input's.
+
+    Args:
+        model: the model (sharded or not: only parameter names and order are used).
+        osd: ``opt.state_dict()`` of a plain optimizer, or an FQN-keyed state dict.
+        param_names: the FQN of each integer id, for an optimizer built over a filtered or
+            reordered parameter list (e.g. only the trainable parameters).
+        opt: the optimizer the state is meant for (rule 3).
+
+    Returns:
+        dict: ``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}``.
+
+    Raises:
+        ValueError: malformed input, mixed id and FQN keys, or an id with no parameter (names the
+            ids and the number of names available).
+
+    Example:
+        >>> import torch
+        >>> from fsdptk import to_fqn_optimizer_state_dict
+        >>> model = torch.nn.Linear(2, 3)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> to_fqn_optimizer_state_dict(model, opt.state_dict())["param_groups"][0]["params"]
+        ['weight', 'bias']
+    """
+    return to_fqn_layout(model, osd, param_names, optim_groups(model, opt) if opt is not None else None)
+
+
+def _agree_view(view: LoadView | None, broadcast_from_rank0: bool) -> LoadView:
+    """Every rank gets the same view (rank 0's when broadcasting) or the same error."""
+    world, rank = _engine._world()
+    if broadcast_from_rank0:
+        view = all_gather_object(view if rank == 0 else None)[0]
+        problems = view.problems
+    else:
+        views = all_gather_object((view.digest(), view.problems))
+        problems = list(dict.fromkeys(p for _, ps in views for p in ps))
+        differ = [r for r, (d, _) in enumerate(views) if d != views[0][0]]
+        if differ and not problems:
+            problems.append(f"the full optimizer states differ between rank 0 and ranks {differ}; pass "
+                            "broadcast_from_rank0=True to read rank 0's only")
+    if problems:
+        shown = "\n  - ".join(problems[:20])
+        raise ValueError(f"cannot load the optimizer state: {len(problems)} problem(s):\n  - {shown}")
+    return view
+
+
+def _check_strict(view: LoadView, aliases: Mapping[str, str]) -> None:
+    lines = [f"no saved param group lists the optimizer's parameter(s) {view.missing}"] if view.missing else []
+    for f in view.unexpected:
+        why = "is not in the optimizer's param groups" if f in aliases else "is not a parameter of the model"
+        lines.append(f"saved parameter {f!r} {why}")
+    if lines:
+        raise ValueError("cannot load the optimizer state (strict=True; pass strict=False to skip these):"
+                         "\n  - " + "\n  - ".join(lines))
+
+
+def _state_device(ours: list[list[tuple[str, torch.Tensor]]], device: torch.device) -> torch.device:
+    """The parameters' own device when they share one (CPU offload: CPU), else ``device``."""
+    devices = {p.device for group in ours for _, p in group}
+    if len(devices) == 1 and next(iter(devices)).type != "meta":
+        return next(iter(devices))
+    return device
+
+
+def load_from_full_optimizer_state_dict(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    full_sd: Mapping[str, Any],
+    device: torch.device | str,
+    *,
+    broadcast_from_rank0: bool = False,
+    strict: bool = True,
+    release_sd: bool = False,
+    param_names: Sequence[str] | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> _IncompatibleKeys:
+    """Load a full optimizer state into a (sharded) optimizer, each rank keeping only its shards.
+
+    Parameters and param groups are matched by FQN, never by position: each of the optimizer's
+    groups takes the hyper-parameters (``lr``, ``betas``, ``initial_lr``, ...) of the saved group
+    that lists its parameters, whatever the order of groups or of parameters within them. The
+    state may be the FQN layout (:func:`get_full_optimizer_state_dict`, DCP's full optimizer
+    state dict) or a plain single-process ``opt.state_dict()`` with integer ids, converted by
+    :func:`to_fqn_optimizer_state_dict` with ``opt`` (ids follow ``opt``'s groups when the group
+    sizes agree, as torch's own ``load_state_dict`` does, else ``model.named_parameters()`` order;
+    ``param_names`` overrides both). Everything is validated, identically on every rank,
+    before any tensor moves or the optimizer changes; then state tensors are split into shards by
+    :mod:`fsdptk._engine` and handed to ``opt.load_state_dict`` (which applies torch's own dtype
+    and device rules: floating state takes the parameter's dtype).
+
+    Args:
+        model: the (sharded) model the optimizer's parameters belong to.
+        opt: the optimizer to restore, created over the model's (sharded) parameters.
+        full_sd: the full state (CPU tensors). With ``broadcast_from_rank0`` only rank 0's is read
+            and the other ranks may pass ``{}``.
+        device: where state tensors go when the parameters do not share one device (otherwise
+            state goes to the parameters' device, so CPU-offloaded parameters get CPU state).
+        broadcast_from_rank0: only rank 0 reads ``full_sd``; each rank receives only its shard
+            bytes (scattered bucket by bucket) and the small metadata (one object collective).
+        strict: raise when an optimizer parameter is in no saved group, or a saved parameter is not
+            in the optimizer. With ``strict=False`` such optimizer parameters keep their current
+            state and hyper-parameters, and such saved entries are ignored.
+        release_sd: delete each state tensor from ``full_sd["state"][fqn]`` as soon as it has
+            been used, so memory shrinks as the load proceeds. This MUTATES ``full_sd``; by
+            default (``False``) the caller's dict is left untouched.
+        param_names: for an integer-id state, the FQN of each id (see
+            :func:`to_fqn_optimizer_state_dict`).
+        bucket_bytes: full-tensor bytes per scatter bucket.
+
+    Returns:
+        torch.nn.modules.module._IncompatibleKeys: ``missing_keys`` (optimizer parameters no saved
+        group lists) and ``unexpected_keys`` (saved parameters not in the optimizer).
+
+    Raises:
+        ValueError: on every rank, before anything changes: a malformed state, a saved parameter
+            the model lacks or a parameter with no saved entry (``strict``), a state tensor whose
+            shape differs from its parameter's (key and both shapes), an optimizer group whose
+            parameters come from several saved groups, states that differ between ranks.
+        TypeError: on every rank, when a state value that must be a tensor is not one.
+
+    Example:
+        >>> import torch
+        >>> from fsdptk import get_full_optimizer_state_dict, load_from_full_optimizer_state_dict
+        >>> model = torch.nn.Linear(2, 3)
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        >>> model(torch.ones(1, 2)).sum().backward(); opt.step()
+        >>> osd = get_full_optimizer_state_dict(model, opt, is_rank_zero=True)
+        >>> opt2 = torch.optim.AdamW(model.parameters(), lr=0.5)
+        >>> load_from_full_optimizer_state_dict(model, opt2, osd, "cpu")
+        <All keys matched successfully>
+        >>> b = model.bias
+        >>> opt2.param_groups[0]["lr"], torch.equal(opt2.state[b]["exp_avg"], opt.state[b]["exp_avg"])
+        (0.001, True)
+    """
+    device = torch.device(device)
+    rank = _engine._world()[1]
+    ours = optim_groups(model, opt)
+    reads = rank == 0 or not broadcast_from_rank0
+    view, saved = plan_load(model, ours, full_sd, param_names) if reads else (None, {})
+    view = _agree_view(view, broadcast_from_rank0)
+    if strict:
+        _check_strict(view, param_fqns(model)[1])
+    params = {fqn: p for group in ours for fqn, p in group}
+    source = StateSource(saved, view.tensors)  # per-parameter dicts are the caller's (release)
+    targets = [(name, params[fqn]) for name, fqn, _ in view.tensors]
+    plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0, cast=False)
+    # validation is over on every rank: from here on state moves and the optimizer changes
+    local = dict(_engine.distribute(plan, source, device=_state_device(ours, device), release=release_sd,
+                                    bucket_bytes=bucket_bytes))
+    opt.load_state_dict(local_osd(opt, ours, view, local))
+    return _IncompatibleKeys(list(view.missing), list(view.unexpected))

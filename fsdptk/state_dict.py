@@ -1,0 +1,369 @@
+"""Model state: full state dict -> sharded model (load), sharded model -> full CPU state (gather).
+
+Both are thin callers of :mod:`fsdptk._engine`: metadata is agreed on every rank first (so every
+error is raised on every rank, and a failed validation leaves the model untouched), each rank then
+receives only its own shard bytes (scatter from rank 0, or local slicing of a source it can read),
+and gathering streams full tensors to rank 0 bucket by bucket. See ``docs/state_dict.md``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import _IncompatibleKeys
+
+from fsdptk import _engine
+from fsdptk._engine import DEFAULT_BUCKET_BYTES
+
+__all__ = [
+    "load_from_full_model_state_dict",
+    "gather_cpu_state_dict",
+    "iter_full_state_dict",
+    "BUFFER_INIT_HOOKS",
+]
+
+#: Method names tried, in order, on a module whose non-persistent buffers are still on ``meta``
+#: after loading (fsdptk.testing's ``reset_buffers``, torchtune's RoPE ``rope_init``, ...).
+BUFFER_INIT_HOOKS = ("reset_buffers", "rope_init", "reset_rope", "init_buffers")
+
+BufferInit = Callable[[nn.Module], None]
+
+
+def _tensor_groups(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
+    """Persistent state in state_dict order, one entry per tensor object, and alias -> canonical."""
+    targets: list[tuple[str, torch.Tensor]] = []
+    canonical: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for fqn, t in model.state_dict(keep_vars=True).items():
+        if id(t) in canonical:
+            aliases[fqn] = canonical[id(t)]
+        else:
+            canonical[id(t)] = fqn
+            targets.append((fqn, t))
+    return targets, aliases
+
+
+class _AliasedSource(Mapping[str, Any]):
+    """The caller's mapping seen through tied-parameter aliases: a tied group is one key.
+
+    A tied group (``embed.weight`` / ``head.weight``) is read from its canonical key, or from any
+    alias when the checkpoint stores only that one; alias keys are not reported as unexpected and
+    are released together with the canonical key.
+    """
+
+    def __init__(self, source: Mapping[str, Any], aliases: dict[str, str]) -> None:
+        self._src = source
+        self._aliases = aliases
+        self._group: dict[str, list[str]] = {}
+        for alias, canon in aliases.items():
+            self._group.setdefault(canon, [canon]).append(alias)
+        if hasattr(source, "get_slice"):
+            self.get_slice = lambda key: source.get_slice(self._resolve(key))  # type: ignore[attr-defined]
+
+    def _resolve(self, key: str) -> str:
+        for k in self._group.get(key, [key]):
+            if k in self._src:
+                return k
+        return key
+
+    def __getitem__(self, key: str) -> Any:
+        return self._src[self._resolve(key)]
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self._resolve(key) in self._src
+
+    def __iter__(self) -> Iterator[str]:
+        for k in self._src:
+            canon = self._aliases.get(k)
+            if canon is None:
+                yield k
+            elif canon not in self._src and self._resolve(canon) == k:
+                yield canon  # the checkpoint stores only an alias: it stands for the group
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __delitem__(self, key: str) -> None:
+        for k in self._group.get(key, [key]):
+            if k in self._src:
+                del self._src[k]  # type: ignore[attr-defined]
+
+
+def _meta_nonpersistent(model: nn.Module) -> dict[str, list[str]]:
+    """module fqn -> names of its non-persistent buffers that are still on ``meta``."""
+    out: dict[str, list[str]] = {}
+    for mod_name, mod in model.named_modules():
+        for name in getattr(mod, "_non_persistent_buffers_set", ()):
+            buf = mod._buffers.get(name)
+            if buf is not None and buf.is_meta:
+                out.setdefault(mod_name, []).append(name)
+    return out
+
+
+def _buffer_plan(model: nn.Module, broadcast_from_rank0: bool, init_buffers: BufferInit | None,
+                 ) -> tuple[dict[str, list[str]], list[str]]:
+    """Decide, identically on every rank, how meta non-persistent buffers get their values.
+
+    Returns (modules to re-initialise with their hook on this rank, buffers to send from rank 0).
+    Raises a ValueError naming the buffers on every rank when neither is possible.
+    """
+    world, rank = _engine._world()
+    mine = _meta_nonpersistent(model)
+    views = [mine]
+    if world > 1:
+        views = [None] * world
+        torch.distributed.all_gather_object(views, mine)
+    modules = dict(model.named_modules())
+    hooked, send, problems = {}, [], []
+    for mod_name in sorted({m for v in views for m in v}):
+        names = sorted({b for v in views for b in v.get(mod_name, [])})
+        has_hook = init_buffers is not None or any(
+            callable(getattr(modules[mod_name], h, None)) for h in BUFFER_INIT_HOOKS)
+        rank0_real = mod_name not in views[0] or not set(names) & set(views[0][mod_name])
+        if has_hook:
+            if mod_name in mine:
+                hooked[mod_name] = mine[mod_name]
+        elif broadcast_from_rank0 and rank0_real and world > 1:
+            send += [f"{mod_name}.{n}" if mod_name else n for n in names]
+        else:
+            fqns = [f"{mod_name}.{n}" if mod_name else n for n in names]
+            problems.append(("ValueError", f"non-persistent buffer(s) {fqns} are on meta and "
+                             f"{type(modules[mod_name]).__name__} has none of {list(BUFFER_INIT_HOOKS)}: "
+                             "pass init_buffers=..., or materialise them on rank 0 with "
+                             "broadcast_from_rank0=True"))
+    _engine._raise(problems, "cannot initialise the non-persistent buffers")
+    return hooked, send
+
+
+def _run_buffer_hooks(model: nn.Module, hooked: dict[str, list[str]], device: torch.device,
+                      init_buffers: BufferInit | None) -> None:
+    modules = dict(model.named_modules())
+    for mod_name, names in hooked.items():
+        mod = modules[mod_name]
+        for n in names:  # give the hook real tensors to write into / read the device from
+            mod._buffers[n] = torch.empty_like(mod._buffers[n], device=device)
+        with torch.device(device):
+            if init_buffers is not None:
+                init_buffers(mod)
+            else:
+                next(getattr(mod, h) for h in BUFFER_INIT_HOOKS if callable(getattr(mod, h, None)))()
+        for n, buf in mod._buffers.items():
+            if buf is not None and n in mod._non_persistent_buffers_set:
+                if buf.is_meta:
+                    raise RuntimeError(f"the buffer hook of {mod_name or 'the root'} left {n!r} on meta")
+                mod._buffers[n] = buf.to(device)
+
+
+def _send_buffers(model: nn.Module, fqns: list[str], device: torch.device) -> None:
+    """Rank 0's real values of meta non-persistent buffers -> every rank (scattered by the engine)."""
+    if not fqns:
+        return
+    modules = dict(model.named_modules())
+    owners = [(modules[f.rpartition(".")[0]], f.rpartition(".")[2]) for f in fqns]
+    targets = [(f, mod._buffers[n]) for f, (mod, n) in zip(fqns, owners)]
+    source = dict(targets) if _engine._world()[1] == 0 else {}
+    plan = _engine.agree(targets, source, src_rank0=True)
+    for (mod, n), (_, value) in zip(owners, _engine.distribute(plan, source, device=device)):
+        mod._buffers[n] = value
+
+
+def _check_strict(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
+    if missing or unexpected:
+        msg = [f"Missing key(s) in state_dict: {missing}."] if missing else []
+        msg += [f"Unexpected key(s) in state_dict: {unexpected}."] if unexpected else []
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(model).__name__}:\n\t" + "\n\t".join(msg))
+
+
+def load_from_full_model_state_dict(
+    model: nn.Module,
+    full_sd: Mapping[str, Any],
+    device: torch.device | str,
+    strict: bool = False,
+    cpu_offload: bool = False,
+    *,
+    release_sd: bool = True,
+    broadcast_from_rank0: bool = False,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    init_buffers: BufferInit | None = None,
+) -> _IncompatibleKeys:
+    """Load a full (unsharded) state dict into a model, each rank keeping only its shards.
+
+    Works for models built on ``meta`` or materialised, sharded with FSDP2 on any mesh (1-D, HSDP,
+    FSDP + TP, ``_StridedShard``), with unsharded submodules, buffers and NF4 parameters. Every
+    tensor is cast to the model's dtype for its key (NF4: the full tensor is re-quantised with the
+    parameter's own block sizes, then this rank's chunk is kept). Tied parameters stay one
+    Parameter object. Non-persistent buffers still on ``meta`` are recomputed by their module's
+    own hook (the first of :data:`BUFFER_INIT_HOOKS`, or ``init_buffers``), or sent from rank 0
+    when ``broadcast_from_rank0`` and rank 0 holds real values.
+
+    Args:
+        model: the (usually sharded) model.
+        full_sd: full tensors by fqn; any Mapping, e.g. a lazy view over safetensors files (one
+            with ``get_slice`` is read shard-on-read). With ``broadcast_from_rank0`` only rank 0's
+            is read and the other ranks may pass ``{}``.
+        device: where the shards go (e.g. ``torch.device("cuda", local_rank)``).
+        strict: raise (on every rank, before the model changes) when keys are missing or unexpected.
+        cpu_offload: keep the loaded parameter shards on CPU (buffers go to ``device``).
+        release_sd: delete each entry from ``full_sd`` as soon as it has been used, so peak memory
+            stays at one tensor (or bucket) beyond the shards. This MUTATES ``full_sd``; pass
+            ``False`` to leave the caller's mapping untouched.
+        broadcast_from_rank0: only rank 0 reads ``full_sd``; each rank receives only its own shard
+            bytes, scattered from rank 0 bucket by bucket.
+        bucket_bytes: full-tensor bytes per bucket (default 16 MiB: rank 0 packs the next bucket while the previous one is in flight).
+        init_buffers: called as ``init_buffers(module)`` (under ``torch.device(device)``) for each
+            module whose non-persistent buffers are on ``meta``, instead of the module's own hook.
+
+    Returns:
+        torch.nn.modules.module._IncompatibleKeys: ``missing_keys`` and ``unexpected_keys``.
+
+    Raises:
+        ValueError: on every rank, before the model changes: a shape mismatch (key and both
+            shapes), a floating tensor for an integer entry (key and both dtypes), sources that
+            differ between ranks, meta non-persistent buffers that cannot be initialised.
+        TypeError: on every rank, when the only problems are non-tensor values (key and type).
+        RuntimeError: with ``strict=True``, listing the missing and unexpected keys.
+
+    Example:
+        >>> import torch
+        >>> from fsdptk import load_from_full_model_state_dict
+        >>> with torch.device("meta"):
+        ...     model = torch.nn.Linear(2, 3)
+        >>> sd = {"weight": torch.ones(3, 2), "bias": torch.zeros(3)}
+        >>> load_from_full_model_state_dict(model, sd, "cpu", strict=True, release_sd=False)
+        <All keys matched successfully>
+        >>> model.weight.device.type, len(sd)
+        ('cpu', 2)
+    """
+    device = torch.device(device)
+    targets, aliases = _tensor_groups(model)
+    source = _AliasedSource(full_sd, aliases)
+    plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0)
+    missing = [k for k in model.state_dict(keep_vars=True) if aliases.get(k, k) in plan.missing]
+    if strict:
+        _check_strict(model, missing, plan.unexpected)
+    hooked, send = _buffer_plan(model, broadcast_from_rank0, init_buffers)
+    # validation is over on every rank: from here on the model changes
+    params = {id(p) for p in model.parameters()}
+    by_fqn = dict(targets)
+    new_sd: dict[str, Any] = {}
+    load_device = torch.device("cpu") if cpu_offload else device
+    for fqn, value in _engine.distribute(plan, source, device=load_device, release=release_sd,
+                                         bucket_bytes=bucket_bytes):
+        old = by_fqn[fqn]
+        if id(old) in params:
+            value = nn.Parameter(value, requires_grad=old.requires_grad)
+        elif cpu_offload:
+            value = value.to(device)
+        new_sd[fqn] = value
+    for alias, canon in aliases.items():
+        if canon in new_sd:
+            new_sd[alias] = new_sd[canon]
+    model.load_state_dict(new_sd, strict=False, assign=True)
+    _send_buffers(model, send, device)
+    _run_buffer_hooks(model, hooked, device, init_buffers)
+    return _IncompatibleKeys(missing, list(plan.unexpected))
+
+
+def _gather_items(model: nn.Module, adapter_weights_only: bool,
+                  is_adapter: Callable[[str, torch.Tensor], bool] | None,
+                  ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, list[str]]]:
+    """Items to gather (one per tensor object) and canonical fqn -> alias fqns."""
+    targets, aliases = _tensor_groups(model)
+    if adapter_weights_only:
+        keep = is_adapter or (lambda _fqn, t: isinstance(t, nn.Parameter) and t.requires_grad)
+        targets = [(fqn, t) for fqn, t in targets if keep(fqn, t)]
+    groups: dict[str, list[str]] = {}
+    for alias, canon in aliases.items():
+        groups.setdefault(canon, []).append(alias)
+    return targets, groups
+
+
+def iter_full_state_dict(
+    model: nn.Module,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    adapter_weights_only: bool = False,
+    is_adapter: Callable[[str, torch.Tensor], bool] | None = None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Stream the model's full state to rank 0 as buckets of ``(fqn, cpu_tensor)``.
+
+    The streaming form of :func:`gather_cpu_state_dict` for checkpoint writers: write each bucket
+    and drop it, so rank 0 never holds the whole model. Persistent entries only, in
+    ``state_dict()`` order; a tied parameter is moved once and yielded under each of its fqns (the
+    same CPU tensor). Tensors keep their dtype (NF4 is dequantised to its original dtype).
+
+    Args:
+        model: the (sharded) model; the same structure on every rank.
+        bucket_bytes: full-tensor bytes per bucket (bounds memory on every rank).
+        adapter_weights_only: gather only adapter weights, never moving the frozen base. An adapter
+            weight is a trainable parameter (``requires_grad=True``) unless ``is_adapter`` says
+            otherwise.
+        is_adapter: ``(fqn, tensor) -> bool`` deciding what an adapter weight is, e.g. by name:
+            ``lambda fqn, _: "lora_" in fqn or "magnitude" in fqn``.
+
+    Returns:
+        Iterator[list[tuple[str, torch.Tensor]]]: non-empty buckets on rank 0, ``[]`` elsewhere.
+        Every rank must exhaust the iterator (it runs collectives).
+
+    Raises:
+        ValueError: on every rank, when a tensor is still on ``meta`` or ranks disagree.
+
+    Example:
+        >>> import torch
+        >>> from fsdptk import iter_full_state_dict
+        >>> [k for bucket in iter_full_state_dict(torch.nn.Linear(2, 3)) for k, _ in bucket]
+        ['weight', 'bias']
+    """
+    items, groups = _gather_items(model, adapter_weights_only, is_adapter)
+    for bucket in _engine.collect(items, bucket_bytes=bucket_bytes):
+        yield [(k, t) for fqn, t in bucket for k in (fqn, *groups.get(fqn, ()))]
+
+
+def gather_cpu_state_dict(
+    model: nn.Module,
+    is_rank_zero: bool,
+    device: torch.device | None = None,
+    adapter_weights_only: bool = False,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    is_adapter: Callable[[str, torch.Tensor], bool] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Gather the full model state as CPU tensors on rank 0 (``{}`` on the other ranks).
+
+    Shards travel to rank 0 only (a gather, not an all-gather), bucket by bucket, with no barrier
+    per parameter; other ranks hold at most one bucket beyond their shards. See
+    :func:`iter_full_state_dict` for the streaming form and what "adapter" means.
+
+    Args:
+        model: the (sharded) model.
+        is_rank_zero: whether this is global rank 0 (the gathered dict is returned where this is
+            True and the rank is 0).
+        device: accepted for torchtune compatibility; the communication device follows the
+            process group's backend, the results are always on CPU.
+        adapter_weights_only: gather only trainable parameters (or what ``is_adapter`` selects).
+        bucket_bytes: full-tensor bytes per bucket.
+        is_adapter: ``(fqn, tensor) -> bool`` overriding the adapter definition.
+
+    Returns:
+        dict[str, torch.Tensor]: fqn -> full CPU tensor (original dtype; NF4 dequantised).
+
+    Raises:
+        ValueError: on every rank, when a tensor is still on ``meta`` or ranks disagree.
+
+    Example:
+        >>> import torch
+        >>> from fsdptk import gather_cpu_state_dict
+        >>> sorted(gather_cpu_state_dict(torch.nn.Linear(2, 3), is_rank_zero=True))
+        ['bias', 'weight']
+    """
+    del device
+    out: dict[str, torch.Tensor] = {}
+    for bucket in iter_full_state_dict(model, bucket_bytes=bucket_bytes,
+                                       adapter_weights_only=adapter_weights_only, is_adapter=is_adapter):
+        out.update(bucket)
+    return out if is_rank_zero and _engine._world()[1] == 0 else {}

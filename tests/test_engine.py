@@ -1,0 +1,163 @@
+"""fsdptk._engine: agree / distribute / collect against DTensor's own placement math."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fsdptk.testing import RemoteError
+
+
+def _placement(kind: str, dim: int):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if kind == "R":
+        return Replicate()
+    if kind == "S":
+        return Shard(dim)
+    return _StridedShard(dim, split_factor=2)
+
+
+class _Recorder(dict):
+    """A safetensors-style source: ``get_slice`` objects that record every box read."""
+
+    def __init__(self, data):
+        super().__init__(data)
+        self.reads: list[tuple[str, int]] = []
+
+    def get_slice(self, key):
+        rec, full = self, dict.__getitem__(self, key)
+
+        class _Slice:
+            def get_shape(self):
+                return list(full.shape)
+
+            def get_dtype(self):
+                return {torch.float32: "F32", torch.bfloat16: "BF16"}[full.dtype]
+
+            def __getitem__(self, idx):
+                out = full[idx]
+                rec.reads.append((key, out.numel()))
+                return out
+
+        return _Slice()
+
+
+def _covering_numel(box) -> int:
+    n = 1
+    for b in box:
+        n *= (b.stop - b.start) if isinstance(b, slice) else (max(b) - min(b) + 1)
+    return n
+
+
+def _engine_case(cases, mode, bucket, seed):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    from fsdptk._engine import _dtensor_box, agree, collect, distribute
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    gen = torch.Generator().manual_seed(seed)
+    fulls, targets = {}, []
+    for i, (shape, kinds, dtype) in enumerate(cases):
+        full = torch.randn(shape, generator=gen).to(getattr(torch, dtype))
+        pl = [_placement(k, d) for k, d in kinds]
+        fulls[f"t{i}"] = full
+        targets.append((f"t{i}", distribute_tensor(full, mesh, pl, src_data_rank=None)))
+    rank = dist.get_rank()
+    if mode == "rank0":
+        src = dict(fulls) if rank == 0 else {}
+    elif mode == "slices":
+        src = _Recorder(fulls)
+    else:
+        src = dict(fulls)
+    meta_targets = [(k, t.to("meta")) for k, t in targets]  # a model built on meta
+    plan = agree(meta_targets, src, src_rank0=mode == "rank0")
+    out = dict(distribute(plan, src, device="cpu", bucket_bytes=bucket, release=mode == "rank0"))
+    local_ok = all(torch.equal(out[k].to_local(), t.to_local()) and out[k].placements == t.placements
+                   for k, t in targets)
+    # shard-on-read: only this rank's box (its covering range for _StridedShard) is read
+    read_ok = mode != "slices" or sum(n for _, n in src.reads) == sum(
+        _covering_numel(_dtensor_box(t)) for _, t in targets)
+    got = {}
+    for b in collect(list(out.items()), bucket_bytes=bucket):
+        got.update(b)
+    full_ok = (got == {}) if rank else all(
+        torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in fulls.items())
+    released = mode != "rank0" or src == {}
+    return local_ok, read_ok, full_ok, released
+
+
+_kind = st.sampled_from(["R", "S", "SS"])
+
+
+@st.composite
+def _tensor_case(draw):
+    ndim = draw(st.integers(1, 3))
+    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=ndim, max_size=ndim)))
+    kinds = []
+    for _ in range(2):
+        k = draw(_kind)
+        kinds.append((k, draw(st.integers(0, ndim - 1))))
+    if kinds[0][0] == "SS" and not (kinds[1][0] == "S" and kinds[1][1] == kinds[0][1]):
+        kinds[0] = ("S", kinds[0][1])  # _StridedShard only as FSDP over TP on the same dim
+    if kinds[1][0] == "SS":
+        kinds[1] = ("S", kinds[1][1])
+    return shape, kinds, draw(st.sampled_from(["float32", "bfloat16"]))
+
+
+@settings(max_examples=15, deadline=None)
+@given(cases=st.lists(_tensor_case(), min_size=1, max_size=4), mode=st.sampled_from(["local", "rank0", "slices"]),
+       bucket=st.sampled_from([16, 300, 1 << 20]), seed=st.integers(0, 1000))
+def test_distribute_collect_match_dtensor(world, cases, mode, bucket, seed):
+    assert world(4).run(_engine_case, cases, mode, bucket, seed) == [(True, True, True, True)] * 4
+
+
+def _differ():
+    from fsdptk._engine import collect
+
+    shape = (3,) if dist.get_rank() == 0 else (4,)
+    list(collect([("w", torch.zeros(shape))]))
+
+
+def test_collect_items_differ_is_an_error_on_every_rank(world):
+    try:
+        world(2).run(_differ)
+    except RemoteError as e:
+        assert all(isinstance(r, RemoteError) and "differ between rank 0 and ranks [1]" in r.message
+                   for r in e.per_rank)
+    else:
+        raise AssertionError("expected an error")
+
+
+def test_single_process_and_errors():
+    from fsdptk._engine import agree, collect, distribute
+
+    src = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.int32), "x": torch.ones(1)}
+    targets = [("a", torch.empty(2, 3, dtype=torch.bfloat16, device="meta")),
+               ("b", torch.empty(2, dtype=torch.int64, device="meta")), ("c", torch.empty(1))]
+    plan = agree(targets, src)
+    assert (plan.keys, plan.missing, plan.unexpected) == (["a", "b"], ["c"], ["x"])
+    out = dict(distribute(plan, src, device="cpu", release=True))
+    assert out["a"].dtype == torch.bfloat16 and out["b"].dtype == torch.int64
+    assert torch.equal(out["a"].float(), torch.arange(6.0).reshape(2, 3)) and list(src) == ["x"]
+    keep = agree(targets[:1], {"a": torch.ones(2, 3)}, cast=False)
+    assert next(distribute(keep, {"a": torch.ones(2, 3)}, device="cpu"))[1].dtype == torch.float32
+    assert [k for b in collect(out.items(), bucket_bytes=1) for k, _ in b] == ["a", "b"]
+    bad = {"a": torch.ones(3, 2), "b": torch.ones(2)}
+    try:
+        agree(targets, bad)
+    except ValueError as e:
+        assert "'a': shape mismatch" in str(e) and "[3, 2]" in str(e) and "[2, 3]" in str(e)
+        assert "'b'" in str(e) and "torch.float32" in str(e) and "torch.int64" in str(e)
+    else:
+        raise AssertionError("expected a ValueError")
+    try:
+        agree(targets, {"a": "not a tensor"})
+    except TypeError as e:
+        assert "'a'" in str(e) and "str" in str(e)
+    else:
+        raise AssertionError("expected a TypeError")
