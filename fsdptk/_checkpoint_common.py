@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdptk.runtime import raise_if_any
+
 Rename = Union[Callable[[str], "str | None"], Mapping[str, str], None]
 
 
@@ -27,47 +29,6 @@ def _world() -> tuple[int, int]:
     return 1, 0
 
 
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (a list indexed by rank); ``[obj]`` without a process group."""
-    size, _ = _world()
-    if size == 1:
-        return [obj]
-    out: list[Any] = [None] * size
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def _exc_class(module: str, qualname: str) -> type[BaseException] | None:
-    obj: Any = sys.modules.get(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    return obj if isinstance(obj, type) and issubclass(obj, Exception) else None
-
-
-def raise_if_any(error: BaseException | None) -> None:
-    """Raise on every rank when any rank has an error (the lowest such rank's, same type).
-
-    The failing rank re-raises its own exception (with its traceback); the others raise an
-    exception of the same type (when it is importable there) whose message names the rank. Only
-    strings cross the wire, so an unpicklable exception cannot break the agreement.
-    """
-    payload = None
-    if error is not None:
-        payload = (type(error).__module__, type(error).__qualname__, str(error))
-    gathered = all_gather_object(payload)
-    _, me = _world()
-    for rank, item in enumerate(gathered):
-        if item is None:
-            continue
-        if rank == me and error is not None:
-            raise error
-        module, qualname, message = item
-        cls = _exc_class(module, qualname)
-        try:
-            exc = cls(f"{message} (on rank {rank})") if cls is not None else None
-        except Exception:  # noqa: BLE001 - an exception type with an unusual constructor
-            exc = None
-        raise exc or RuntimeError(f"{qualname} on rank {rank}: {message}")
 
 
 def run_agreed(fn: Callable[[], Any], *, on: bool = True) -> Any:

@@ -28,15 +28,14 @@ from torch import nn
 from fsdptk._checkpoint_common import (
     Rename,
     _world,
-    all_gather_object,
     infer_device,
     progress_bar,
-    raise_if_any,
     rename_keys,
     run_agreed,
     tie_groups,
     trim_heap,
 )
+from fsdptk.runtime import all_gather_object, raise_if_any
 from fsdptk._safetensors_io import INDEX_SUFFIX, CheckpointError, SafetensorsCheckpoint, parse_size
 from fsdptk._safetensors_writer import ShardedWriter, plan_shards
 from fsdptk.dcp import (

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdptk import _engine
-from fsdptk._checkpoint_common import all_gather_object
+from fsdptk.runtime import all_gather_object
 from fsdptk._engine import DEFAULT_BUCKET_BYTES
 from fsdptk._optim_layout import (PARAMS, PG, STATE, LoadView, StateSource, local_osd, optim_groups, param_fqns,
                                   plan_load, to_fqn_layout)

@@ -7,6 +7,8 @@ initialise anything on their own and are safe to call in a single process.
 from __future__ import annotations
 
 import os
+import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -159,3 +161,54 @@ def validate_no_params_on_meta_device(model: nn.Module) -> None:
                     f"{kind} {fqn!r} is on the meta device (shape {tuple(tensor.shape)}, dtype "
                     f"{tensor.dtype}); load or initialise it before training"
                 )
+
+
+# ----------------------------------------------------------------------------------------------
+# agreement across ranks (internal helpers used by state_dict, optim and checkpoint modules)
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (a list indexed by rank); ``[obj]`` without a process group.
+
+    The one object collective fsdptk's higher modules use to agree on metadata and errors before
+    any tensor moves (internal helper; not exported from ``fsdptk``).
+    """
+    size, _ = get_world_size_and_rank()
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _exc_class(module: str, qualname: str) -> type[BaseException] | None:
+    obj: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) and issubclass(obj, Exception) else None
+
+
+def raise_if_any(error: BaseException | None) -> None:
+    """Raise on every rank when any rank has an error (the lowest such rank's, same type).
+
+    The failing rank re-raises its own exception (with its traceback); the others raise an
+    exception of the same type (when it is importable there) whose message names the rank. Only
+    strings cross the wire, so an unpicklable exception cannot break the agreement.
+    """
+    payload = None
+    if error is not None:
+        payload = (type(error).__module__, type(error).__qualname__, str(error))
+    gathered = all_gather_object(payload)
+    _, me = get_world_size_and_rank()
+    for rank, item in enumerate(gathered):
+        if item is None:
+            continue
+        if rank == me and error is not None:
+            raise error
+        module, qualname, message = item
+        cls = _exc_class(module, qualname)
+        try:
+            exc = cls(f"{message} (on rank {rank})") if cls is not None else None
+        except Exception:  # noqa: BLE001 - an exception type with an unusual constructor
+            exc = None
+        raise exc or RuntimeError(f"{qualname} on rank {rank}: {message}")

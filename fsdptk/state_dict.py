@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdptk import _engine
 from fsdptk._engine import DEFAULT_BUCKET_BYTES
+from fsdptk.runtime import all_gather_object
 
 __all__ = [
     "load_from_full_model_state_dict",
@@ -113,10 +113,7 @@ def _buffer_plan(model: nn.Module, broadcast_from_rank0: bool, init_buffers: Buf
     """
     world, rank = _engine._world()
     mine = _meta_nonpersistent(model)
-    views = [mine]
-    if world > 1:
-        views = [None] * world
-        torch.distributed.all_gather_object(views, mine)
+    views = all_gather_object(mine)
     modules = dict(model.named_modules())
     hooked, send, problems = {}, [], []
     for mod_name in sorted({m for v in views for m in v}):

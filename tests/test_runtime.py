@@ -118,3 +118,20 @@ def _facts() -> tuple[bool, tuple[int, int], int]:
 def test_facts_inside_a_world(world) -> None:
     res = world(2).run(_facts)
     assert res == [(True, (2, 0), 0), (True, (2, 1), 1)]
+
+
+def _agree_error(bad_rank: int) -> list[object]:
+    from fsdptk.runtime import all_gather_object, raise_if_any
+
+    views = all_gather_object(dist.get_rank() * 2)
+    err = KeyError("model.norm.weight") if dist.get_rank() == bad_rank else None
+    raise_if_any(err)
+    return views
+
+
+def test_all_gather_object_and_raise_if_any_agree_on_every_rank(world) -> None:
+    w = world(2)
+    assert w.run(_agree_error, -1) == [[0, 2], [0, 2]]
+    res = w.run(_agree_error, 1, return_exceptions=True)
+    assert [r.exc_type for r in res] == ["KeyError", "KeyError"]
+    assert "model.norm.weight" in res[0].message and "rank 1" in res[0].message
