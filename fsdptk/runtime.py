@@ -171,7 +171,14 @@ def all_gather_object(obj: Any) -> list[Any]:
     """Every rank's ``obj`` (a list indexed by rank); ``[obj]`` without a process group.
 
     The one object collective fsdptk's higher modules use to agree on metadata and errors before
-    any tensor moves (internal helper; not exported from ``fsdptk``).
+    any tensor moves (internal helper; not exported from ``fsdptk``). Collective: every rank of the
+    default process group must call it.
+
+    Args:
+        obj: any picklable object.
+
+    Returns:
+        list: ``obj`` of every rank, indexed by rank.
     """
     size, _ = get_world_size_and_rank()
     if size == 1:
@@ -189,11 +196,19 @@ def _exc_class(module: str, qualname: str) -> type[BaseException] | None:
 
 
 def raise_if_any(error: BaseException | None) -> None:
-    """Raise on every rank when any rank has an error (the lowest such rank's, same type).
+    """Raise on every rank when any rank has an error; collective (every rank must call it).
 
-    The failing rank re-raises its own exception (with its traceback); the others raise an
-    exception of the same type (when it is importable there) whose message names the rank. Only
-    strings cross the wire, so an unpicklable exception cannot break the agreement.
+    Every rank raises the lowest failing rank's error: that rank re-raises its own exception
+    (with its traceback), every other rank (failing or not) an exception of the same type (when it
+    is importable there) whose message names that rank. Only strings cross the wire, so an unpicklable exception cannot break the
+    agreement. Internal helper; not exported from ``fsdptk``.
+
+    Args:
+        error: this rank's exception, or ``None`` when this rank is fine.
+
+    Raises:
+        BaseException: the lowest failing rank's error (itself on that rank; elsewhere the same
+            type, or ``RuntimeError`` naming the type when it cannot be rebuilt).
     """
     payload = None
     if error is not None:

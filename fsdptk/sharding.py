@@ -54,7 +54,12 @@ def _accelerator_available() -> bool:
 
 
 def _check_options(
-    cpu_offload: Any, dp_mesh: Any, forward_prefetch: Any, backward_prefetch: Any, mp_policy: Any
+    cpu_offload: Any,
+    dp_mesh: Any,
+    forward_prefetch: Any,
+    backward_prefetch: Any,
+    mp_policy: Any,
+    root_reshard: Any,
 ) -> None:
     if not isinstance(cpu_offload, bool):
         raise TypeError(f"cpu_offload must be a bool, got {cpu_offload!r}")
@@ -68,6 +73,8 @@ def _check_options(
                         ("backward_prefetch", backward_prefetch)):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ValueError(f"{name} must be an int >= 0 (units to prefetch), got {depth!r}")
+    if root_reshard is not None and not isinstance(root_reshard, bool):
+        raise TypeError(f"root_reshard_after_forward must be a bool or None, got {root_reshard!r}")
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if dp_mesh is None:
@@ -123,6 +130,7 @@ def shard_model(
     forward_prefetch: int = 0,
     backward_prefetch: int = 0,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    root_reshard_after_forward: bool | None = None,
 ) -> ShardingPlan:
     """Apply FSDP2 ``fully_shard`` to every module a condition matches (bottom-up), then the root.
 
@@ -153,6 +161,12 @@ def shard_model(
         backward_prefetch: number of preceding units each unit all-gathers early in backward
             (0: FSDP2's default implicit prefetch of one).
         shard_placement_fn: passed to ``fully_shard`` (per-parameter shard dim).
+        root_reshard_after_forward: the root unit's policy. ``None`` (default): the same as
+            ``reshard_after_forward``, so after any forward (an eval one included) every
+            parameter is sharded again. ``False``: keep the root's parameters gathered from
+            forward to backward (saves one all-gather per step; FSDP2's own default for the root),
+            but then build the optimizer before the first forward and call ``model.reshard()``
+            before reading a state dict after a forward without backward.
 
     Returns:
         ShardingPlan: the applied units (see :func:`describe_sharding`); ``print`` it for a table.
@@ -160,7 +174,7 @@ def shard_model(
     Raises:
         ValueError: when no module matches (names the conditions), a matched module cannot be an
             FSDP unit, the model is already sharded, a parameter is 0-dim, ``dp_mesh`` is not 1-D
-            or 2-D, or a prefetch depth is negative.
+            or 2-D, or a prefetch depth is not an int >= 0.
         ShardConditionError: when a condition raises; names the condition and the module FQN.
         RuntimeError: when ``cpu_offload=True`` without an accelerator, or without a mesh and a
             process group. In every error case the model is left unchanged.
@@ -174,7 +188,8 @@ def shard_model(
         ...                    forward_prefetch=1, backward_prefetch=1)  # doctest: +SKIP
         >>> print(plan)  # doctest: +SKIP
     """
-    _check_options(cpu_offload, dp_mesh, forward_prefetch, backward_prefetch, mp_policy)
+    _check_options(cpu_offload, dp_mesh, forward_prefetch, backward_prefetch, mp_policy,
+                   root_reshard_after_forward)
     plan = _make_plan(model, shard_conditions)
     world_size = _shard_world_size(dp_mesh)
     summary = _summarise(plan, world_size)
@@ -195,16 +210,18 @@ def shard_model(
         fully_shard(_target(unit), **kwargs)
         if rank0:
             _log.debug("fully_shard(%s) [rule: %s]", " + ".join(unit.fqns), unit.rule)
-    fully_shard(model, **kwargs)
+    root_reshard = reshard_after_forward if root_reshard_after_forward is None else (
+        root_reshard_after_forward)
+    fully_shard(model, **{**kwargs, "reshard_after_forward": root_reshard})
     if rank0:
         for note in plan.notes:
             _log.info("shard_model: %s", note)
         _log.info(
             "shard_model: applied fully_shard to %d units + root over %d shard ranks%s "
-            "(reshard_after_forward=%s, mp_policy=%s, cpu_offload=%s)",
+            "(reshard_after_forward=%s, root %s, mp_policy=%s, cpu_offload=%s)",
             len(plan.units), world_size,
             f" on mesh {tuple(dp_mesh.shape)}" if dp_mesh is not None else "",
-            reshard_after_forward, mp_policy, cpu_offload,
+            reshard_after_forward, root_reshard, mp_policy, cpu_offload,
         )
     if forward_prefetch or backward_prefetch:
         units = [u.modules[0] for u in plan.units]

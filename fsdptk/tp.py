@@ -244,12 +244,33 @@ def apply_tp(
 
     Raises:
         TypeError: if a plan value is not a ParallelStyle or the mesh is not a DeviceMesh.
-        ValueError: if the mesh is not 1-D, the plan is empty or a key names no sub-module.
+        ValueError: if the mesh is not 1-D, the plan is empty, a key names no sub-module, a
+            module already holds DTensor parameters, ``ColwiseParallel``/``RowwiseParallel``
+            targets a module other than ``nn.Linear``/``nn.Embedding``, or a
+            :class:`~fsdptk.tp_plan.ReplicatedKVColwise` cannot split its module. All checked
+            before any module changes: on error the model is untouched.
 
     Example:
         >>> apply_tp(model, mesh["tp"], llama_tp_plan(model, sequence_parallel=True))
     """
     tp_size = _tp_size(tp_mesh)
+    _check_plan(model, plan, tp_size)
+    for fqn, style in plan.items():
+        if fqn == "":
+            parallelize_module(model, tp_mesh, style)
+        else:
+            parallelize_module(model, tp_mesh, {_escape(fqn): style})
+    _log_once(f"apply_tp: parallelised {len(plan)} modules over TP size {tp_size}")
+    return model
+
+
+def _check_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size: int) -> None:
+    """Everything ``parallelize_module`` would only find half-way through, checked up front."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from fsdptk.tp_plan import ReplicatedKVColwise
+
     if not plan:
         raise ValueError("apply_tp got an empty plan")
     for fqn, style in plan.items():
@@ -258,16 +279,26 @@ def apply_tp(
                 f"plan['{fqn}'] must be a ParallelStyle, got {type(style).__name__}"
             )
         try:
-            model.get_submodule(fqn)
+            module = model.get_submodule(fqn)
         except AttributeError as e:
             raise ValueError(f"plan key '{fqn}' names no sub-module of the model ({e})") from e
-    for fqn, style in plan.items():
-        if fqn == "":
-            parallelize_module(model, tp_mesh, style)
-        else:
-            parallelize_module(model, tp_mesh, {_escape(fqn): style})
-    _log_once(f"apply_tp: parallelised {len(plan)} modules over TP size {tp_size}")
-    return model
+        done = [n for n, p in module.named_parameters(recurse=False) if isinstance(p, DTensor)]
+        if done:
+            raise ValueError(
+                f"plan key '{fqn}' ({type(module).__name__}): parameters {done} are already "
+                "DTensors; apply tensor parallel once, before fully_shard"
+            )
+        # torch's own Colwise/Rowwise styles only know Linear and Embedding (subclasses that
+        # override _apply may know more)
+        for base in (ColwiseParallel, RowwiseParallel):
+            if (isinstance(style, base) and type(style)._apply is base._apply
+                    and not isinstance(module, (nn.Linear, nn.Embedding))):
+                raise ValueError(
+                    f"plan['{fqn}'] is {type(style).__name__}, which only shards nn.Linear and "
+                    f"nn.Embedding, but '{fqn}' is a {type(module).__name__}"
+                )
+        if isinstance(style, ReplicatedKVColwise):
+            style._check(module, tp_size, fqn)
 
 
 def _escape(fqn: str) -> str:

@@ -197,24 +197,32 @@ class ReplicatedKVColwise(ParallelStyle):
 
     def __init__(self, num_kv_heads: int, *, input_layouts: Placement | None = None):
         super().__init__()
-        if num_kv_heads <= 0:
-            raise ValueError(f"num_kv_heads must be positive, got {num_kv_heads}")
+        if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0:
+            raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
         self.num_kv_heads = num_kv_heads
         self.input_layouts = input_layouts
 
+    def _check(self, module: nn.Module, tp: int, fqn: str = "") -> None:
+        """ValueError when ``module`` cannot be split over ``tp`` ranks (nothing is changed)."""
+        kv = self.num_kv_heads
+        ok_layout = kv % tp == 0 or tp % kv == 0
+        if ok_layout and isinstance(module, nn.Linear) and module.out_features % kv == 0:
+            return
+        where = f" '{fqn}'" if fqn else ""
+        raise ValueError(
+            f"ReplicatedKVColwise: cannot split {kv} KV heads over tensor parallel size {tp} "
+            f"(module{where} {type(module).__name__}, out_features "
+            f"{getattr(module, 'out_features', '?')}): the TP size must be a multiple or a divisor "
+            "of the KV head count and the module an nn.Linear with out_features divisible by it."
+        )
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         tp, kv = device_mesh.size(), self.num_kv_heads
+        self._check(module, tp)
         if kv % tp == 0:
             colwise = ColwiseParallel(input_layouts=self.input_layouts)
             colwise.src_data_rank = self.src_data_rank
             return colwise._apply(module, device_mesh)
-        if tp % kv or not isinstance(module, nn.Linear) or module.out_features % kv:
-            raise ValueError(
-                f"ReplicatedKVColwise: cannot split {kv} KV heads over tensor parallel size {tp} "
-                f"(module {type(module).__name__}, out_features "
-                f"{getattr(module, 'out_features', '?')}): the TP size must be a multiple of the "
-                "KV head count and the module an nn.Linear with out_features divisible by it."
-            )
         head_dim, rep = module.out_features // kv, tp // kv
         in_layout = self.input_layouts or Replicate()
 
@@ -284,7 +292,8 @@ def llama_tp_plan(
     size): norms outside the attention/MLP modules become ``SequenceParallel`` (their weight
     gradients are then summed over TP ranks, which is why they must be in the plan), the
     attention and MLP modules gather their input (:class:`GatherSequence`) and o/down
-    reduce-scatter. Call this before :func:`fsdptk.prepare_mha_for_tp` changes nothing it reads.
+    reduce-scatter. It reads only module names, types and weights, so it may be called before or
+    after :func:`fsdptk.prepare_mha_for_tp` (which changes plain int attributes only).
 
     Args:
         model: the model (any device, including meta); only read.

@@ -120,18 +120,43 @@ def test_facts_inside_a_world(world) -> None:
     assert res == [(True, (2, 0), 0), (True, (2, 1), 1)]
 
 
-def _agree_error(bad_rank: int) -> list[object]:
+class _Unpicklable(Exception):
+    def __reduce__(self):  # noqa: ANN204 - an exception that cannot cross a pipe
+        raise TypeError("not picklable")
+
+
+def _agree_error(bad_ranks: list[int]) -> list[object]:
     from fsdptk.runtime import all_gather_object, raise_if_any
 
     views = all_gather_object(dist.get_rank() * 2)
-    err = KeyError("model.norm.weight") if dist.get_rank() == bad_rank else None
+    rank = dist.get_rank()
+    err: Exception | None = None
+    if rank in bad_ranks:
+        err = KeyError(f"model.norm.weight on {rank}") if rank % 2 else ValueError(f"shape {rank}")
     raise_if_any(err)
     return views
 
 
+def _agree_unpicklable() -> None:
+    from fsdptk.runtime import raise_if_any
+
+    raise_if_any(_Unpicklable("local only") if dist.get_rank() == 0 else None)
+
+
 def test_all_gather_object_and_raise_if_any_agree_on_every_rank(world) -> None:
-    w = world(2)
-    assert w.run(_agree_error, -1) == [[0, 2], [0, 2]]
-    res = w.run(_agree_error, 1, return_exceptions=True)
-    assert [r.exc_type for r in res] == ["KeyError", "KeyError"]
-    assert "model.norm.weight" in res[0].message and "rank 1" in res[0].message
+    w = world(4)
+    assert w.run(_agree_error, []) == [[0, 2, 4, 6]] * 4
+    res = w.run(_agree_error, [1], return_exceptions=True)
+    assert [r.exc_type for r in res] == ["KeyError"] * 4
+    assert all("model.norm.weight on 1" in r.message for r in res)
+    assert "rank 1" in res[0].message and "(on rank" not in res[1].message  # rank 1: its own
+    # two failing ranks: every rank raises the lowest failing rank's error (the same everywhere)
+    res = w.run(_agree_error, [1, 2], return_exceptions=True)
+    assert [r.exc_type for r in res] == ["KeyError"] * 4
+    assert all("model.norm.weight on 1" in res[i].message and "(on rank 1)" in res[i].message
+               for i in (0, 2, 3))
+    # an exception class the other ranks cannot rebuild travels as text
+    res = w.run(_agree_unpicklable, return_exceptions=True)
+    assert res[0].exc_type == "_Unpicklable"
+    assert all(r.exc_type in ("_Unpicklable", "RuntimeError") for r in res[1:])
+    assert all("local only" in r.message and "rank 0" in r.message for r in res[1:])

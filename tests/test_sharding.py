@@ -515,6 +515,26 @@ def test_each_step_is_logged_once_on_rank_zero(world) -> None:
     assert sum("explicit prefetch over 3 units (forward depth 1" in m for m in rank0) == 1
 
 
+def _root_state_after_forward(root_reshard) -> tuple[str, str]:
+    model = Tiny()
+    shard_model(model, [layers()], cpu_offload=False, root_reshard_after_forward=root_reshard)
+    with torch.no_grad():  # an eval forward: no backward comes to reshard the root
+        model(torch.randint(0, V, (B, T)))
+    after_forward = type(model.norm.weight).__name__
+    model.reshard()
+    return after_forward, type(model.norm.weight).__name__
+
+
+def test_root_reshard_policy(world) -> None:
+    w = world(2)
+    assert w.run(_root_state_after_forward, None) == [("DTensor", "DTensor")] * 2
+    # False: the root's parameters stay gathered (plain tensors) until backward or reshard()
+    assert w.run(_root_state_after_forward, False) == [("Parameter", "DTensor")] * 2
+    res = w.run(_root_state_after_forward, "yes", return_exceptions=True)
+    assert all(r.exc_type == "TypeError" and "root_reshard_after_forward" in r.message
+               for r in res)
+
+
 def test_wrong_mesh_size_is_a_value_error() -> None:
     with pytest.raises(ValueError, match=r"dp_replicate \(2\) \* dp_shard \(3\) \* tp \(1\) = 6"):
         ParallelDims(dp_replicate=2, dp_shard=3, world_size=4)

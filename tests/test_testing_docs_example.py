@@ -1,4 +1,8 @@
-"""The property-test example of docs/testing.md, executed for real (50 examples on 2 ranks)."""
+"""The property-test example of docs/testing.md, executed for real (50 examples on 2 ranks).
+
+tests/test_docs.py runs every block of the page once (the World block included); here the
+example's own hypothesis test runs its 50 examples on the shared 2-rank world.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +19,6 @@ _blocks = re.findall(r"```python\n(.*?)```", _DOC.read_text(), flags=re.S)
 _ns: dict = {"__name__": "fsdptk_docs_testing_example"}
 exec(compile(_blocks[1], str(_DOC), "exec"), _ns)  # defines shard_load_gather and test_round_trip
 shard_load_gather = _ns["shard_load_gather"]
-
-
-def test_docs_world_block_runs() -> None:
-    exec(compile(_blocks[0], str(_DOC), "exec"), {"__name__": "fsdptk_docs_world_block"})
 
 
 @settings(max_examples=50, deadline=None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import pytest
@@ -98,10 +99,30 @@ def test_failed_collective_does_not_poison_next_call(world) -> None:
     assert w.run(_all_reduce_sum, [1.0]) == [[3.0], [3.0]]
 
 
-def test_lambdas_and_closures_run() -> None:
+def _result_only_the_worker_can_unpickle() -> object:
+    import types
+
+    mod = sys.modules.setdefault("_fsdptk_worker_only", types.ModuleType("_fsdptk_worker_only"))
+    mod.Thing = type("Thing", (), {"__module__": "_fsdptk_worker_only"})
+    return mod.Thing()
+
+
+def test_unreadable_result_is_an_error_and_does_not_poison_next_call(world) -> None:
+    w = world(2)
+    with pytest.raises(RemoteError, match="could not unpickle the result") as info:
+        w.run(_result_only_the_worker_can_unpickle)
+    assert info.value.rank == 0 and isinstance(info.value.per_rank[1], RemoteError)
+    # every rank's answer to the failed call was read: the next call gets its own results
+    assert w.run(_rank_info, 5) == [(0, 2, 5), (1, 2, 10)]
+
+
+def test_lambdas_and_closures_run_and_accelerators_are_hidden() -> None:
     factor = 7
     with World(1) as w:
         assert w.run(lambda: factor * 6) == [42]
+        # a CPU world on a machine with a GPU must behave as on a CPU-only machine
+        assert w.run(lambda: (os.environ["CUDA_VISIBLE_DEVICES"], torch.cuda.is_available())) == [
+            ("", False)]
 
 
 @settings(max_examples=60)

@@ -18,12 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 import fsdptk
 from fsdptk import ParallelDims, shard_model
 from fsdptk.predicates import layers
+from fsdptk.state_dict import gather_cpu_state_dict, load_from_full_model_state_dict
 from fsdptk.tp import apply_tp, prepare_mha_for_tp
 from fsdptk.tp_plan import GatherSequence, ReplicatedKVColwise, build_tp_plan, llama_tp_plan
 
@@ -183,29 +184,12 @@ def reference(sp: dict, steps: int, lr: float = 0.5) -> tuple[torch.Tensor, dict
 
 
 def _load(model: nn.Module, full_sd: dict) -> None:
-    """fsdptk.state_dict when it is there; else distribute_tensor per parameter."""
-    try:
-        from fsdptk.state_dict import load_from_full_model_state_dict
-    except ImportError:
-        sharded = {}
-        for name, p in model.state_dict().items():
-            full = full_sd[name].to(p.dtype)
-            if isinstance(p, DTensor):
-                full = distribute_tensor(full, p.device_mesh, p.placements)
-            sharded[name] = nn.Parameter(full)
-        model.load_state_dict(sharded, strict=True, assign=True)
-        return
+    """fsdptk's loader (its scatter of each rank's (dp, tp) pieces is what is under test)."""
     load_from_full_model_state_dict(model, full_sd, torch.device("cpu"), strict=True)
 
 
 def _gather(model: nn.Module) -> dict:
-    """fsdptk.state_dict when it is there; else full_tensor() per entry. Full dict on rank 0."""
-    try:
-        from fsdptk.state_dict import gather_cpu_state_dict
-    except ImportError:
-        out = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
-               for k, v in model.state_dict().items()}
-        return out if dist.get_rank() == 0 else {}
+    """fsdptk's gather: the full CPU state dict on rank 0, ``{}`` elsewhere."""
     return gather_cpu_state_dict(model, dist.get_rank() == 0)
 
 
@@ -244,8 +228,8 @@ def _train_and_compare(sp: dict, dp: int, tp: int, fsdp: bool, sequence_parallel
     # with FSDP each dp rank takes its slice of the batch; without, every rank the whole batch
     dp_rank, per = (rank // tp, sp["batch"] // dp) if fsdp else (0, sp["batch"])
     sl = slice(dp_rank * per, (dp_rank + 1) * per)
-    # optimizer first: a forward leaves the root FSDP module's parameters unsharded, and an
-    # optimizer built then would hold those (discarded) unsharded tensors
+    # optimizer first: with a root that keeps its parameters gathered after forward
+    # (root_reshard_after_forward=False) an optimizer built later would hold temporary tensors
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     with torch.no_grad():
         logits = model(data(sp, 0)[0][sl]).clone()
@@ -300,8 +284,15 @@ def _roundtrip(sp: dict, sd_seed: int, sequence_parallel: bool) -> dict | None:
     apply_tp(model, tp_mesh, llama_tp_plan(model, sequence_parallel=sequence_parallel))
     shard_model(model, [layers()], cpu_offload=False, dp_mesh=mesh)
     _load(model, dict(full))  # a copy: release_sd may drop the entries it loaded
-    # every parameter is a 2-D (dp_shard, tp) DTensor holding exactly its piece of the full tensor
+    # every parameter is a DTensor holding exactly its piece of the full tensor (DTensor's own
+    # placement math is the oracle), so load and gather cannot hide each other's mistakes
     meshes = {tuple(p.device_mesh.mesh_dim_names) for p in model.parameters()}
+    wrong = []
+    for name, p in model.named_parameters():
+        want = distribute_tensor(full[name], p.device_mesh, p.placements, src_data_rank=None)
+        if not torch.equal(p.to_local(), want.to_local()):
+            wrong.append(name)
+    assert not wrong, f"rank {dist.get_rank()}: wrong local shards for {wrong}"
     back = _gather(model)
     if dist.get_rank() != 0:
         return None
@@ -384,6 +375,18 @@ def _bad_inputs() -> dict:
                                             "layers.9.attention.wq": ColwiseParallel()}))
     attempt("plan_value_not_style", build(spec(), "meta"),
             lambda m: apply_tp(m, tp_mesh, {"layers.0.attention.wq": "colwise"}))
+    # problems parallelize_module would only meet half-way: the first entries are fine
+    attempt("colwise_on_a_norm", build(spec(), "meta"),
+            lambda m: apply_tp(m, tp_mesh, {"layers.0.attention.wq": ColwiseParallel(),
+                                            "layers.1.attention_norm": ColwiseParallel()}))
+    attempt("replicated_kv_cannot_split", build(spec(), "meta"),
+            lambda m: apply_tp(m, tp_mesh, {"layers.0.attention.wq": ColwiseParallel(),
+                                            "layers.0.attention.wk": ReplicatedKVColwise(3)}))
+    twice = build(spec(), "meta")
+    apply_tp(twice, tp_mesh, {"layers.1.attention.wq": ColwiseParallel()})
+    attempt("already_parallel", twice,
+            lambda m: apply_tp(m, tp_mesh, {"layers.0.attention.wq": ColwiseParallel(),
+                                            "layers.1.attention.wq": ColwiseParallel()}))
     return cases
 
 
@@ -405,6 +408,10 @@ def test_bad_input_errors_on_every_rank_and_model_untouched(world) -> None:
         "no_attention": ("found no attention module",),
         "plan_key_missing": ("'layers.9.attention.wq'",),
         "plan_value_not_style": ("plan['layers.0.attention.wq']", "str"),
+        "colwise_on_a_norm": ("plan['layers.1.attention_norm'] is ColwiseParallel", "RMSNorm"),
+        "replicated_kv_cannot_split": ("cannot split 3 KV heads over tensor parallel size 4",
+                                       "'layers.0.attention.wk'"),
+        "already_parallel": ("'layers.1.attention.wq'", "already DTensors"),
     }
     for rank, cases in enumerate(res):
         assert set(cases) == set(expect)
@@ -509,6 +516,9 @@ def test_llama_tp_plan_errors() -> None:
     assert "output" not in llama_tp_plan(model, embeddings_and_output=False)
     with pytest.raises(ValueError, match="sequence_parallel=True needs embeddings_and_output"):
         llama_tp_plan(model, sequence_parallel=True, embeddings_and_output=False)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match=f"positive int, got {bad!r}"):
+            ReplicatedKVColwise(bad)  # type: ignore[arg-type]
 
 
 def test_build_tp_plan_rules() -> None:

@@ -87,9 +87,18 @@ def _init_pg(rank: int, world_size: int, port: int, pg_timeout_s: float) -> None
     )
 
 
+# set in a worker before torch is imported: the world is CPU + gloo, and FSDP2 / DeviceMesh pick
+# an accelerator whenever one is visible (then rank r asks for device r, which may not exist)
+_HIDE_ACCELERATORS = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "",
+                      "ZE_AFFINITY_MASK": "", "ASCEND_RT_VISIBLE_DEVICES": ""}
+
+
 def _worker_main(
-    rank: int, world_size: int, port: int, conn: Connection, pg_timeout_s: float
+    rank: int, world_size: int, port: int, conn: Connection, pg_timeout_s: float,
+    cpu_only: bool = True,
 ) -> None:  # runs in the child process
+    if cpu_only:
+        os.environ.update(_HIDE_ACCELERATORS)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
@@ -151,6 +160,27 @@ def _worker_main(
             conn.send(("err", type(e).__name__, f"could not send the result: {e}", "", None))
 
 
+def _outcome(rank: int, msg: tuple[Any, ...]) -> Any:
+    """A worker's answer as a result or a :class:`RemoteError`; never raises.
+
+    Unpickling happens here, in the caller: a result or exception whose class the caller cannot
+    import must become an error for this call, not an exception that leaves the other ranks'
+    answers unread in their pipes (they would be taken for the next call's results).
+    """
+    if msg[0] == "ok":
+        try:
+            return pickle.loads(msg[1])
+        except Exception as e:  # noqa: BLE001
+            return RemoteError(rank, type(e).__name__, f"could not unpickle the result: {e}",
+                               traceback.format_exc())
+    _, exc_type, message, tb, blob = msg
+    try:
+        original = pickle.loads(blob) if blob is not None else None
+    except Exception:  # noqa: BLE001 - the text of the error is enough
+        original = None
+    return RemoteError(rank, exc_type, message, tb, original)
+
+
 class World:
     """N persistent worker processes joined in a gloo process group on this machine.
 
@@ -158,6 +188,10 @@ class World:
         world_size: number of ranks (1 or more).
         timeout: default seconds a :meth:`run` call may take before the world is rebuilt.
         pg_timeout: seconds a collective may block inside a worker (gloo's own timeout).
+        cpu_only: hide accelerators from the workers (``CUDA_VISIBLE_DEVICES=""`` and the like),
+            so that code which picks a device when one is visible (FSDP2's default mesh,
+            ``torch.accelerator``) behaves as on a CPU-only machine. ``False`` leaves the
+            environment alone (the process group is still gloo).
 
     Example:
         >>> import torch.distributed as dist
@@ -169,10 +203,18 @@ class World:
         [0, 10]
     """
 
-    def __init__(self, world_size: int, *, timeout: float = 120.0, pg_timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        timeout: float = 120.0,
+        pg_timeout: float = 120.0,
+        cpu_only: bool = True,
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
+        self.cpu_only = cpu_only
         self.timeout = timeout
         self.pg_timeout = pg_timeout
         self._ctx = mp.get_context("spawn")
@@ -189,7 +231,7 @@ class World:
             parent, child = self._ctx.Pipe(duplex=True)
             proc = self._ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, port, child, self.pg_timeout),
+                args=(rank, self.world_size, port, child, self.pg_timeout, self.cpu_only),
                 daemon=True,
                 name=f"fsdptk-world{self.world_size}-rank{rank}",
             )
@@ -327,13 +369,8 @@ class World:
                     died.append(rank)
                     failed = True
                     continue
-                if msg[0] == "ok":
-                    outcomes[rank] = pickle.loads(msg[1])
-                else:
-                    _, exc_type, message, tb, blob = msg
-                    original = pickle.loads(blob) if blob is not None else None
-                    outcomes[rank] = RemoteError(rank, exc_type, message, tb, original)
-                    failed = True
+                outcomes[rank] = _outcome(rank, msg)
+                failed = failed or isinstance(outcomes[rank], RemoteError)
             if failed:  # the others get a short grace to report (they may be blocked on the failed rank)
                 deadline = min(deadline, time.monotonic() + _GRACE_S)
             if pending:
