@@ -169,3 +169,34 @@ def test_fsdp2_round_trip_two_ranks(world) -> None:
     for name, p in ref.named_parameters():
         torch.testing.assert_close(res[0]["grads"][name], p.grad / 2)
         torch.testing.assert_close(res[1]["grads"][name], p.grad / 2)
+
+
+def _hsdp_step(extra_groups: int) -> float:
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    for _ in range(extra_groups):  # moves torch's group numbering on before the mesh is made
+        dist.new_group(list(range(dist.get_world_size())))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    return float(model.weight.full_tensor().sum())
+
+
+def _fail() -> None:
+    raise ValueError("expected failure")
+
+
+def test_meshes_work_after_the_world_rebuilt_its_process_group(world) -> None:
+    # regression: a failed call rebuilds the process group, which restarts torch's group
+    # numbering; DTensor's caches (mesh equality ignores group names) then handed new meshes
+    # group names of the destroyed process group ("Could not resolve the process group ...")
+    w = world(4)
+    first = w.run(_hsdp_step, 6)
+    w.run(_fail, return_exceptions=True)
+    assert w.run(_hsdp_step, 0) == first

@@ -87,6 +87,24 @@ def _init_pg(rank: int, world_size: int, port: int, pg_timeout_s: float) -> None
     )
 
 
+def _forget_old_meshes() -> None:
+    """Drop DTensor's caches after the process group was rebuilt in this worker.
+
+    A new process group restarts torch's group numbering, and DeviceMesh equality ignores group
+    names: DTensor's sharding-propagation and redistribution caches could hand a new mesh's
+    tensors an output spec that still names a group of the destroyed process group ("Could not
+    resolve the process group registered under the name N").
+    """
+    try:
+        from torch.distributed.tensor import _redistribute
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+        getattr(_redistribute._gen_transform_infos, "cache_clear", lambda: None)()
+    except (ImportError, AttributeError):  # older torch: no such caches to clear
+        pass
+
+
 # set in a worker before torch is imported: the world is CPU + gloo, and FSDP2 / DeviceMesh pick
 # an accelerator whenever one is visible (then rank r asks for device r, which may not exist)
 _HIDE_ACCELERATORS = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "",
@@ -134,6 +152,7 @@ def _worker_main(
                     dist.destroy_process_group()
                 os.environ["MASTER_PORT"] = str(msg[1])
                 _init_pg(rank, world_size, msg[1], pg_timeout_s)
+                _forget_old_meshes()
                 conn.send(("ready", os.getpid()))
             except BaseException as e:  # noqa: BLE001
                 conn.send(("fatal", f"{type(e).__name__}: {e}"))
