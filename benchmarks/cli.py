@@ -6,6 +6,13 @@ Examples::
     .venv-peers/bin/python -m benchmarks --quick         # ~1 minute smoke run, tiny model, 2 ranks
     .venv-peers/bin/python -m benchmarks --sizes 0.5 1 --worlds 4 2 --repeats 2 --write-docs
     .venv-peers/bin/python -m benchmarks --from-json results.json --write-docs   # re-render only
+    .venv-peers/bin/python -m benchmarks --device cuda --write-docs   # on a GPU machine: NCCL, GPU section
+
+``--device cuda`` runs the same scenarios with each rank on its own GPU (``cuda:<rank>``) over NCCL:
+shards are loaded onto / gathered from the GPUs, the in-memory full states the methods read are in
+pinned host memory, and each rank reports ``torch.cuda.max_memory_allocated`` over the operation
+beside time and peak RSS. World sizes default to what the machine's GPUs allow (4 and 2, or fewer);
+the physical-limit run (gloo bandwidths) is skipped. Without CUDA it exits 1 with the reason.
 
 Order of runs: for each world size, model size and repeat, every (scenario, method) once, so that
 a change in the machine's background load hits every method alike. Methods that need torchtune or
@@ -28,10 +35,10 @@ from pathlib import Path
 
 from .methods import METHODS, NOT_APPLICABLE, SCENARIOS
 from .model import GENERATOR_VERSION, config_for_size
-from .report import render_tables, write_docs
+from .report import render_tables, write_docs, write_gpu_section
 from .runner import REPO, launch_ttfs, launch_workers
 
-__all__ = ["main", "parse_args"]
+__all__ = ["main", "parse_args", "cuda_problem"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -40,7 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 0.02 GB model, 2 ranks, 1 repeat, small limit buffers (~1 minute)")
     p.add_argument("--sizes", type=float, nargs="+", default=[0.5, 1.0], help="model sizes in GB (1e9 bytes)")
-    p.add_argument("--worlds", type=int, nargs="+", default=[4, 2], help="world sizes (ranks)")
+    p.add_argument("--worlds", type=int, nargs="+", default=None,
+                   help="world sizes (ranks); default 4 2 (cuda: those the GPUs allow, one GPU per rank)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: gloo, shards in host memory; cuda: NCCL, rank r on GPU r, CUDA peak memory too")
     p.add_argument("--repeats", type=int, default=2, help="runs of each (scenario, method, size, world)")
     p.add_argument("--scenarios", nargs="+", default=SCENARIOS, choices=SCENARIOS)
     p.add_argument("--methods", nargs="+", default=None,
@@ -60,12 +70,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip a run whose estimated memory exceeds this fraction of MemAvailable")
     args = p.parse_args(argv)
     if args.quick:
-        args.sizes, args.worlds, args.repeats = [0.02], [2], 1
+        args.sizes, args.repeats = [0.02], 1
+        args.worlds = args.worlds or ([2] if args.device == "cpu" else None)  # cuda: what the GPUs allow
     args.timeout = args.timeout or (120.0 if args.quick else 900.0)
     return args
 
 
 # ----------------------------------------------------------------------------------------------
+def cuda_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--device cuda`` cannot run here (``None`` when it can); fills in the default worlds."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return (f"--device cuda needs a CUDA GPU, but torch.cuda.is_available() is False (torch {torch.__version__}, "
+                f"CUDA build {torch.version.cuda})")
+    if not torch.distributed.is_nccl_available():
+        return f"--device cuda runs over NCCL, which torch {torch.__version__} was built without"
+    gpus = torch.cuda.device_count()
+    if args.worlds is None:
+        args.worlds = sorted({min(gpus, 4), min(gpus, 2)}, reverse=True)
+        if args.quick:
+            args.worlds = [min(gpus, 2)]
+    too_big = [w for w in args.worlds if w > gpus]
+    if too_big:
+        return f"--device cuda puts each rank on its own GPU: world size(s) {too_big} need more than the {gpus} GPU(s) here"
+    return None
+
+
 def _has(python: str, module: str) -> bool:
     if python == sys.executable:
         return importlib.util.find_spec(module) is not None
@@ -154,7 +185,7 @@ def run_suite(args: argparse.Namespace) -> dict:
             common = {"world": world, "size_gb": size, "model_bytes": cfg.nbytes(), "file_bytes": meta["file_bytes"],
                       "cfg": cfg.__dict__}
             for rep in range(args.repeats):
-                if args.limits:
+                if args.limits and args.device == "cpu":
                     limit_bytes = min(cfg.nbytes(), 32 * 2**20 if args.quick else 256 * 2**20)
                     out = work / "runs" / stamp / f"limits-w{world}-{size}GB-r{rep}"
                     spec = {"scenario": "limits", "ckpt_dir": str(ckpt), "limit_bytes": limit_bytes,
@@ -189,9 +220,10 @@ def _one(scenario, method, rep, world, cfg, ckpt, args, cache, runs: Path, commo
     if scenario == "ttfs":
         if not (REPO / "examples" / "train_llama.py").is_file():
             return dict(base, status="n/a", error="examples/train_llama.py does not exist", ranks=[])
-        res = launch_ttfs(world, python, out, ckpt, args.timeout)
+        res = launch_ttfs(world, python, out, ckpt, args.timeout, device=args.device)
     else:
-        spec = {"scenario": scenario, "method": method, "cfg": cfg.__dict__, "ckpt_dir": str(ckpt)}
+        spec = {"scenario": scenario, "method": method, "cfg": cfg.__dict__, "ckpt_dir": str(ckpt),
+                "device": args.device}
         res = launch_workers(spec, world, python, out, args.timeout)
     rec = dict(base, status=res.status, error=res.error, ranks=res.ranks, python=python, log_dir=str(out))
     if res.status == "ok" and scenario != "ttfs":
@@ -231,9 +263,19 @@ def _environment(args: argparse.Namespace, seconds: float) -> dict:
         "versions": {py: _versions(py) for py in sorted(pythons)},
         "cpus": os.cpu_count(), "mem_total_GB": _mem_total() / 1e9, "loadavg_end": load,
         "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "seconds": seconds, "quick": args.quick, "dtype": args.dtype,
+        "seconds": seconds, "quick": args.quick, "dtype": args.dtype, "device": args.device,
+        **(_gpu_environment() if args.device == "cuda" else {}),
         "sizes": args.sizes, "worlds": args.worlds, "repeats": args.repeats,
     }
+
+
+def _gpu_environment() -> dict:
+    import torch
+
+    nccl = torch.cuda.nccl.version()
+    return {"gpu": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
+            "gpu_mem_GB": torch.cuda.get_device_properties(0).total_memory / 1e9}
 
 
 def _mem_total() -> int:
@@ -252,6 +294,12 @@ def merge_results(parts: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.device == "cuda" and not args.from_json:
+        problem = cuda_problem(args)
+        if problem:
+            print(f"python -m benchmarks: {problem}", file=sys.stderr)
+            return 1
+    args.worlds = args.worlds or [4, 2]
     if args.from_json:
         results = merge_results([json.loads(Path(f).read_text()) for f in args.from_json])
     else:
@@ -261,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(results, indent=1))
         print(f"[bench] results: {path}", flush=True)
     print(render_tables(results))
-    if args.write_docs:
+    if args.write_docs and args.device == "cuda":
+        for p in write_gpu_section(results, Path(args.docs)):
+            print(f"[bench] wrote the GPU section of {p}")
+    elif args.write_docs:
         notes = Path(args.notes).read_text() if args.notes else ""
         for p in write_docs(results, Path(args.docs), notes=notes):
             print(f"[bench] wrote {p}")

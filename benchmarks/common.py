@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .model import BenchConfig
 
-__all__ = ["Ctx", "Method", "CPU", "sumsq_local", "all_sum", "close", "materialise_random", "check_model_loaded",
+__all__ = ["Ctx", "Method", "CPU", "host", "sumsq_local", "all_sum", "close", "materialise_random", "check_model_loaded",
            "check_full_on_rank0", "flat_tensors", "nothing"]
 
 CPU = torch.device("cpu")
@@ -32,6 +32,7 @@ class Ctx:
     expected: dict[str, Any]  # what prepare measured about the checkpoint (sumsq, nbytes)
     data: dict[str, Any] = field(default_factory=dict)
     files_written: int = 0  # bytes the timed operation wrote to files (subtracted from bytes sent)
+    device: torch.device = CPU  # where the shards live: CPU (gloo) or this rank's GPU (NCCL)
 
     @property
     def ckpt_file(self) -> Path:
@@ -61,8 +62,21 @@ def sumsq_local(tensors) -> float:
     return total
 
 
+def host(ctx: Ctx, tensors: dict) -> dict:
+    """The host copy of a full state every method reads: pinned when the shards go to a GPU, so a
+    host-to-device copy runs at DMA speed for every method alike."""
+    if ctx.device.type != "cuda":
+        return tensors
+    return {k: (v.pin_memory() if isinstance(v, torch.Tensor) else host(ctx, v) if isinstance(v, dict) else v)
+            for k, v in tensors.items()}
+
+
+def _collective_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else CPU
+
+
 def all_sum(x: float) -> float:
-    t = torch.tensor([x], dtype=torch.float64)
+    t = torch.tensor([x], dtype=torch.float64, device=_collective_device())
     dist.all_reduce(t)
     return float(t.item())
 
@@ -73,12 +87,17 @@ def close(a: float, b: float) -> bool:
 
 def materialise_random(ctx: Ctx) -> None:
     """Give the sharded meta model storage and fill each rank's shards (no communication)."""
-    ctx.model.to_empty(device=CPU)
-    gen = torch.Generator().manual_seed(1234 + ctx.rank)
+    ctx.model.to_empty(device=ctx.device)
+    gen = torch.Generator().manual_seed(1234 + ctx.rank)  # on CPU: the same values on every device
     with torch.no_grad():
         for p in ctx.model.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
-            local.normal_(0.0, 0.02, generator=gen) if local.dim() > 1 else local.fill_(1.0)
+            if local.dim() <= 1:
+                local.fill_(1.0)
+            elif local.device.type == "cpu":
+                local.normal_(0.0, 0.02, generator=gen)
+            else:  # a CPU generator cannot fill a GPU tensor: the same values, copied over
+                local.copy_(torch.empty(local.shape, dtype=local.dtype).normal_(0.0, 0.02, generator=gen))
 
 
 def check_model_loaded(ctx: Ctx) -> str:

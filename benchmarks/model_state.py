@@ -13,32 +13,32 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .common import CPU, Ctx, all_sum, check_full_on_rank0, close, sumsq_local
+from .common import Ctx, all_sum, check_full_on_rank0, close, host, sumsq_local
 from .model import make_full_state_dict, param_specs
 
 
 # ----------------------------------------------------------------------------------------------
 # scenario: load from an in-memory full state dict
 def _sd_rank0(ctx: Ctx) -> None:
-    ctx.data["sd"] = make_full_state_dict(ctx.cfg, ctx.expected["seed"]) if ctx.rank == 0 else {}
+    ctx.data["sd"] = host(ctx, make_full_state_dict(ctx.cfg, ctx.expected["seed"])) if ctx.rank == 0 else {}
 
 
 def _sd_all(ctx: Ctx) -> None:
-    ctx.data["sd"] = make_full_state_dict(ctx.cfg, ctx.expected["seed"])
+    ctx.data["sd"] = host(ctx, make_full_state_dict(ctx.cfg, ctx.expected["seed"]))
 
 
 def _load_fsdptk(ctx: Ctx) -> None:
     from fsdptk import load_from_full_model_state_dict
 
     sd = ctx.data.pop("sd")
-    load_from_full_model_state_dict(ctx.model, sd, CPU, broadcast_from_rank0=True)
+    load_from_full_model_state_dict(ctx.model, sd, ctx.device, broadcast_from_rank0=True)
 
 
 def _load_fsdptk_all(ctx: Ctx) -> None:
     from fsdptk import load_from_full_model_state_dict
 
     sd = ctx.data.pop("sd")
-    load_from_full_model_state_dict(ctx.model, sd, CPU)
+    load_from_full_model_state_dict(ctx.model, sd, ctx.device)
 
 
 def _load_dcp(ctx: Ctx) -> None:
@@ -52,22 +52,22 @@ def _load_torchtune(ctx: Ctx) -> None:
     from torchtune.training import load_from_full_model_state_dict
 
     sd = ctx.data.pop("sd")
-    load_from_full_model_state_dict(ctx.model, sd, CPU)
+    load_from_full_model_state_dict(ctx.model, sd, ctx.device)
 
 
 class _Accel:
     """The two attributes ``fsdp2_load_full_state_dict`` reads from its ``Accelerator``."""
 
-    def __init__(self, rank: int) -> None:
-        self.is_main_process = rank == 0
-        self.device = CPU
+    def __init__(self, ctx: Ctx) -> None:
+        self.is_main_process = ctx.rank == 0
+        self.device = ctx.device
 
 
 def _load_accelerate(ctx: Ctx) -> None:
     from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
 
     sd = ctx.data.pop("sd")
-    fsdp2_load_full_state_dict(_Accel(ctx.rank), ctx.model, sd)
+    fsdp2_load_full_state_dict(_Accel(ctx), ctx.model, sd)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,13 +81,13 @@ def _read_file(path: Path) -> dict[str, torch.Tensor]:
 def _st_fsdptk_shard_on_read(ctx: Ctx) -> None:
     from fsdptk import load_safetensors
 
-    load_safetensors(ctx.model, ctx.ckpt_dir, device=CPU, shard_on_read=True)
+    load_safetensors(ctx.model, ctx.ckpt_dir, device=ctx.device, shard_on_read=True)
 
 
 def _st_fsdptk_rank0_read(ctx: Ctx) -> None:
     from fsdptk import load_safetensors
 
-    load_safetensors(ctx.model, ctx.ckpt_dir, device=CPU, shard_on_read=False)
+    load_safetensors(ctx.model, ctx.ckpt_dir, device=ctx.device, shard_on_read=False)
 
 
 def _st_dcp(ctx: Ctx) -> None:

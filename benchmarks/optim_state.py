@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from .common import CPU, Ctx, all_sum, check_full_on_rank0, close, materialise_random, sumsq_local
+from .common import Ctx, all_sum, check_full_on_rank0, close, host, materialise_random, sumsq_local
 from .model import param_specs
 
 
@@ -91,7 +91,7 @@ def _oload_setup(by_fqn: bool, every_rank: bool) -> Callable[[Ctx], None]:
         materialise_random(ctx)
         ctx.data["opt"] = _make_opt(ctx, step=False)
         # only the ranks that hold the state build it (a rank's high-water mark must not include it)
-        ctx.data["osd"] = _full_osd(ctx, by_fqn=by_fqn) if (every_rank or ctx.rank == 0) else {}
+        ctx.data["osd"] = host(ctx, _full_osd(ctx, by_fqn=by_fqn)) if (every_rank or ctx.rank == 0) else {}
         box = [ctx.data.get("expected_osd_sumsq")]
         dist.broadcast_object_list(box, src=0)
         ctx.data["expected_osd_sumsq"] = box[0]
@@ -102,7 +102,7 @@ def _oload_setup(by_fqn: bool, every_rank: bool) -> Callable[[Ctx], None]:
 def _oload_fsdptk(ctx: Ctx) -> None:
     from fsdptk import load_from_full_optimizer_state_dict
 
-    load_from_full_optimizer_state_dict(ctx.model, ctx.data["opt"], ctx.data.pop("osd"), CPU,
+    load_from_full_optimizer_state_dict(ctx.model, ctx.data["opt"], ctx.data.pop("osd"), ctx.device,
                                         broadcast_from_rank0=True)
 
 
@@ -116,7 +116,7 @@ def _oload_dcp(ctx: Ctx) -> None:
 def _oload_torchtune(ctx: Ctx) -> None:
     from torchtune.training import load_from_full_optimizer_state_dict
 
-    load_from_full_optimizer_state_dict(ctx.model, ctx.data["opt"], ctx.data.pop("osd"), CPU)
+    load_from_full_optimizer_state_dict(ctx.model, ctx.data["opt"], ctx.data.pop("osd"), ctx.device)
 
 
 def _check_oload(ctx: Ctx) -> str:

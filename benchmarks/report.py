@@ -17,7 +17,8 @@ from pathlib import Path
 
 from .methods import METHODS, PEERS, SCENARIO_TITLES, SCENARIOS
 
-__all__ = ["aggregate", "render_tables", "write_docs", "ideal_time"]
+__all__ = ["aggregate", "render_tables", "write_docs", "ideal_time", "gpu_section", "render_gpu_section",
+           "write_gpu_section"]
 
 MB = 1e6
 
@@ -55,6 +56,9 @@ def aggregate(results: dict) -> tuple[dict, dict]:
             row["baseN"] = _med([max((x.get("baseline_peak_rss") or 0) for x in rs) for rs in rest if rs])
             row["delta0"] = _med([_delta(x) for x in r0])
             row["deltaN"] = _med([max(ds) for rs in rest if rs for ds in [[d for d in map(_delta, rs) if d is not None]] if ds])
+            row["cuda0"] = _med([x.get("cuda_peak") for x in r0])  # None on CPU runs
+            row["cudaN"] = _med([max(x.get("cuda_peak") or 0 for x in rs) for rs in rest if rs]) \
+                if row["cuda0"] is not None else None
             row["sent0"] = _med([x.get("sent_bytes") for x in r0])
             row["sent_all"] = _med([sum(x.get("sent_bytes") or 0 for x in r["ranks"]) for r in ok]) \
                 if any(x.get("sent_bytes") is not None for x in r0) else None
@@ -142,6 +146,8 @@ def render_limits(limits: dict) -> str:
 
 
 def render_main(rows: dict, limits: dict) -> str:
+    if any(r.get("cuda0") is not None for r in rows.values()):
+        return render_cuda(rows)
     out = ["| scenario | method | ranks | model GB | time s (median) | min-max s | limit s | % of limit | "
            "peak RSS r0 MB | Δ r0 MB | peak RSS r>0 MB (max) | Δ r>0 MB | sent r0 MB | sent r>0 MB | check |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -159,6 +165,26 @@ def render_main(rows: dict, limits: dict) -> str:
             f"| {scenario} | {method} | {world} | {size:g} | {_s(row['time'])} | {_s(row['tmin'])}-{_s(row['tmax'])} | "
             f"{_s(ideal)} | {pct} | {_mb(row['peak0'])} | {_mb(row['delta0'])} | {_mb(row['peakN'])} | "
             f"{_mb(row['deltaN'])} | {_mb(row['sent0'])} | {_mb(row['sentN'])} | {chk} |")
+    return "\n".join(out) + "\n"
+
+
+def render_cuda(rows: dict) -> str:
+    """The results of a ``--device cuda`` run: time, CUDA peak (above what the rank held before the
+    operation, ``torch.cuda.max_memory_allocated``) and host peak RSS, rank 0 and the other ranks."""
+    out = ["| scenario | method | ranks | model GB | time s (median) | min-max s | CUDA peak r0 MB | "
+           "CUDA peak r>0 MB (max) | peak RSS r0 MB | peak RSS r>0 MB (max) | check |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for key in _sorted_keys(rows):
+        scenario, method, world, size = key
+        row = rows[key]
+        if row["status"] != "ok":
+            why = (row.get("error") or "").replace("|", "/").replace("\n", " ")[:220]
+            out.append(f"| {scenario} | {method} | {world} | {size:g} | **{row['status']}** | | | | | | {why} |")
+            continue
+        chk = str(row["check"]).replace("|", "/")[:120]
+        out.append(f"| {scenario} | {method} | {world} | {size:g} | {_s(row['time'])} | {_s(row['tmin'])}-"
+                   f"{_s(row['tmax'])} | {_mb(row.get('cuda0'))} | {_mb(row.get('cudaN'))} | {_mb(row['peak0'])} | "
+                   f"{_mb(row['peakN'])} | {chk} |")
     return "\n".join(out) + "\n"
 
 
@@ -324,6 +350,79 @@ def write_docs(results: dict, page: Path, *, notes: str = "") -> list[Path]:
     parts += [f"![{p.stem}](img/{p.name})\n" for p in pngs]
     if problems:
         parts += ["## Runs that did not complete, or that do not apply\n", "\n".join(problems) + "\n"]
+    parts.append(gpu_section(page.read_text() if page.is_file() else ""))  # a GPU run's own block
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text("\n".join(parts))
     return [page, *pngs]
+
+
+# ----------------------------------------------------------------------------------------------
+# the GPU section of the results page (``--device cuda --write-docs``); the CPU page keeps it
+GPU_BEGIN = "<!-- gpu-section: written by `python -m benchmarks --device cuda --write-docs`; kept when the CPU page is regenerated -->"
+GPU_END = "<!-- /gpu-section -->"
+
+
+def _gpu_intro() -> list[str]:
+    return [
+        "## GPU\n",
+        "The same scenarios with each rank on its own GPU (`cuda:<rank>`) over NCCL: shards are loaded onto and "
+        "gathered from the GPUs, the in-memory full states every method reads are in pinned host memory, and "
+        "each rank reports `torch.cuda.max_memory_allocated` over the operation (above what it held before) beside "
+        "the time and its host peak RSS. One command on a machine with GPUs (world sizes: 4 and 2, or what its "
+        "GPUs allow; one GPU per rank):\n",
+        "```\nbash benchmarks/setup_peers.sh\n.venv-peers/bin/python -m benchmarks --device cuda --write-docs\n```\n",
+        "On a machine without CUDA the command exits 1 with the reason. The GPU-only tests run with "
+        "`.venv/bin/python -m pytest -m gpu` (see the testing page).\n",
+        "**Several nodes.** The suite launches its ranks on one machine. A multi-node job (the example, or "
+        "your own loop) is launched by `torchrun` on every node; each rank takes the GPU `LOCAL_RANK` names "
+        "(the example calls `torch.cuda.set_device(LOCAL_RANK)` and joins an NCCL group):\n",
+        "```\n# on each of the 2 nodes (NODE_RANK 0 and 1), 8 GPUs per node, HEAD = node 0's address\n"
+        "torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \\\n"
+        "    --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 --rdzv-id llama-run \\\n"
+        "    examples/train_llama.py --device cuda --out-dir $SHARED_DIR/llama\n```\n",
+        "`$SHARED_DIR` is a directory every node sees (a shared file system): rank 0 writes the checkpoints there "
+        "and every rank resumes from them.\n",
+    ]
+
+
+def _gpu_waiting() -> str:
+    return "\n".join([GPU_BEGIN, *_gpu_intro(),
+                      "_Waiting for a lent GPU: no GPU run has been made yet, so this table is empty._\n",
+                      "| device | torch | CUDA | NCCL | ranks | scenario | method | time s | CUDA peak r0 MB | "
+                      "CUDA peak r>0 MB | check |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|\n", GPU_END]) + "\n"
+
+
+def gpu_section(page_text: str) -> str:
+    """The GPU block of a results page, or the "waiting" block when the page has none."""
+    start, end = page_text.find(GPU_BEGIN), page_text.find(GPU_END)
+    if start < 0 or end < start:
+        return _gpu_waiting()
+    return page_text[start:end + len(GPU_END)] + "\n"
+
+
+def render_gpu_section(results: dict) -> str:
+    metas = results.get("meta", {})
+    metas = metas if isinstance(metas, list) else [metas]
+    env = [f"- `{m.get('command')}`: {m.get('date')}; {m.get('gpus')} x {m.get('gpu')} "
+           f"({m.get('gpu_mem_GB', 0):.0f} GB), torch {next(iter(m.get('versions', {}).values()), {}).get('torch')}, "
+           f"CUDA {m.get('cuda')}, NCCL {m.get('nccl')}; world sizes {m.get('worlds')}, sizes {m.get('sizes')} GB "
+           f"of {m.get('dtype')}, {m.get('repeats')} repeat(s)" for m in metas]
+    rows, limits = aggregate(results)
+    return "\n".join([GPU_BEGIN, *_gpu_intro(), *env, "", render_main(rows, limits),
+                      "Ratios (peer / fsdptk; > 1 means fsdptk is faster or leaner):\n", render_ratios(rows),
+                      GPU_END]) + "\n"
+
+
+def write_gpu_section(results: dict, page: Path) -> list[Path]:
+    """Replace (or append) the GPU block of the results page with this run's tables."""
+    text = page.read_text() if page.is_file() else ""
+    block = render_gpu_section(results)
+    start, end = text.find(GPU_BEGIN), text.find(GPU_END)
+    if start >= 0 and end > start:
+        text = text[:start] + block + text[end + len(GPU_END):].lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    page.parent.mkdir(parents=True, exist_ok=True)
+    page.write_text(text)
+    return [page]

@@ -2,7 +2,7 @@
 
 Every run is a new set of interpreters (``python -m benchmarks.worker``), so peak RSS is the
 operation's and never an earlier run's. Ranks find each other through MASTER_ADDR/MASTER_PORT on
-loopback (gloo). A run whose rank fails is killed after a short grace period (its peers may be
+loopback (gloo on CPU; NCCL with rank r on GPU r for ``--device cuda``). A run whose rank fails is killed after a short grace period (its peers may be
 blocked in a collective); a run past its time limit is killed and reported as a timeout.
 """
 
@@ -139,7 +139,8 @@ _STEP1 = re.compile(r"step\s+1/\d+")
 _PEAKS = re.compile(r"peak RSS MiB per rank \[([^\]]*)\]")
 
 
-def launch_ttfs(world: int, python: str, out_dir: Path, ckpt_dir: Path, timeout: float) -> RunOutcome:
+def launch_ttfs(world: int, python: str, out_dir: Path, ckpt_dir: Path, timeout: float,
+                device: str = "cpu") -> RunOutcome:
     """Time ``examples/train_llama.py`` from launch to its "step 1" log line (rank 0's stdout).
 
     One optimizer step on a batch of 1 x 32 tokens, so the time is dominated by start-up:
@@ -151,7 +152,7 @@ def launch_ttfs(world: int, python: str, out_dir: Path, ckpt_dir: Path, timeout:
     out_dir.mkdir(parents=True, exist_ok=True)
     args = ["examples/train_llama.py", "--init-from", str(ckpt_dir), "--out-dir", str(out_dir / "run"),
             "--no-resume", "--steps", "1", "--log-every", "1", "--save-every", "1", "--batch-size", "1",
-            "--seq-len", "32", "--no-progress", "--device", "cpu"]
+            "--seq-len", "32", "--no-progress", "--device", device]
     port = free_port()
     seen: dict[str, object] = {}
     start = time.perf_counter()

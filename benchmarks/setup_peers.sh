@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Create ./.venv-peers: the environment the benchmark suite runs in, with the peers it compares
-# against (torchtune 0.6.1, accelerate) beside an editable fsdptk, plus matplotlib for the plots.
+# Create ./.venv-peers: the environment the benchmark suite and the torchtune parity tests
+# (tests_peers/) run in, with the peers fsdptk is compared against (torchtune 0.6.1, accelerate)
+# beside an editable fsdptk, plus matplotlib for the plots and pytest for the tests.
 # Kept apart from ./.venv so the peers' pins never touch the project's own environment.
 #
 # Usage: bash benchmarks/setup_peers.sh        (safe to run again: pip skips what is installed)
 # Then:  .venv-peers/bin/python -m benchmarks --quick
+#        .venv-peers/bin/python -m pytest -q tests_peers
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -20,12 +22,20 @@ VPY=.venv-peers/bin/python
 "$VPY" -m pip install -q torchtune==0.6.1
 "$VPY" -m pip install -q --no-deps torchao==0.14.1
 "$VPY" -m pip install -q accelerate safetensors numpy psutil matplotlib
+"$VPY" -m pip install -q pytest pytest-timeout hypothesis cloudpickle
 "$VPY" -m pip install -q --no-deps -e .
 "$VPY" - <<'PY'
 import importlib.metadata as md
-for name in ("torch", "torchtune", "torchao", "accelerate", "safetensors", "matplotlib", "fsdptk"):
+missing = []
+for name in ("torch", "torchtune", "torchao", "accelerate", "safetensors", "matplotlib", "pytest",
+             "hypothesis", "fsdptk"):
     try:
         print(f"[setup_peers] {name} {md.version(name)}")
     except md.PackageNotFoundError:
         print(f"[setup_peers] {name} MISSING")
+        missing.append(name)
+# torchtune imports torchao's NF4 at import time: fail here, not in the middle of a test run
+import torchtune.training  # noqa: E402,F401
+if missing:
+    raise SystemExit(f"[setup_peers] missing after install: {missing}")
 PY

@@ -1,11 +1,13 @@
 """One rank of one benchmark run: ``python -m benchmarks.worker SPEC.json`` (started by the runner).
 
 Reads the run's spec, joins the process group the runner describes in the environment (RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT; gloo on CPU), builds the benchmark model on ``meta``,
-shards it (``fully_shard`` on every decoder layer, then the root: the same for every method),
-runs the method's untimed setup, then times the operation between two barriers, and writes
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT; gloo on CPU, or NCCL with rank r on ``cuda:r`` when the
+spec's ``device`` is ``"cuda"``), builds the benchmark model on ``meta``, shards it
+(``fully_shard`` on every decoder layer, then the root: the same for every method), runs the
+method's untimed setup, then times the operation between two barriers, and writes
 ``rank<r>.json`` into the spec's output directory: times, OS peak RSS before and after, current
-RSS, bytes written, the check and any error.
+RSS, bytes written, on CUDA ``torch.cuda.max_memory_allocated`` over the operation (``cuda_peak``:
+above what the rank held before it), the check and any error.
 
 The scenario ``prepare`` (one process, no process group) writes the benchmark checkpoint instead;
 ``limits`` measures the physical limits (see :mod:`benchmarks.limits`).
@@ -39,11 +41,11 @@ def _prepare(spec: dict) -> dict:
     return meta
 
 
-def _shard(model: torch.nn.Module, cfg: BenchConfig, world: int) -> None:
+def _shard(model: torch.nn.Module, cfg: BenchConfig, world: int, device: torch.device) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp_shard",))
     for fqn in layer_fqns(cfg):
         fully_shard(model.get_submodule(fqn), mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -81,21 +83,34 @@ def _measured(spec: dict, rank: int, world: int) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     method = METHODS[spec["scenario"]][spec["method"]]
     _preimport(method.needs)
+    device = _device(spec)
     model = build_model(cfg, "meta")
-    _shard(model, cfg, world)
-    ctx = Ctx(cfg=cfg, rank=rank, world=world, model=model, ckpt_dir=ckpt, tmp_dir=tmp, expected=expected)
+    _shard(model, cfg, world, device)
+    ctx = Ctx(cfg=cfg, rank=rank, world=world, model=model, ckpt_dir=ckpt, tmp_dir=tmp, expected=expected,
+              device=device)
     method.setup(ctx)
     gc.collect()
+    cuda = device.type == "cuda"
+    if cuda:  # the GPU's high-water mark of the operation alone, above what the rank holds now
+        torch.cuda.synchronize(device)
+        cuda_base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
     dist.barrier()
     before = snapshot()
     method.run(ctx)
+    if cuda:
+        torch.cuda.synchronize(device)
     own = snapshot()
     dist.barrier()
     after = snapshot()
+    cuda_mem = {"cuda_base": cuda_base, "cuda_peak": torch.cuda.max_memory_allocated(device) - cuda_base} \
+        if cuda else {}
     gc.collect()
     check = method.check(ctx)
-    sent = own.wchar - before.wchar - ctx.files_written if before.wchar >= 0 else None
+    # bytes written count gloo's socket traffic; NCCL's (NVLink, shared memory) is not a write()
+    sent = own.wchar - before.wchar - ctx.files_written if before.wchar >= 0 and not cuda else None
     return {
+        **cuda_mem,
         "time_s": after.t - before.t,  # barrier to barrier: the operation as the job sees it
         "own_time_s": own.t - before.t,  # until this rank returned
         "baseline_peak_rss": before.peak_rss,
@@ -105,6 +120,21 @@ def _measured(spec: dict, rank: int, world: int) -> dict:
         "sent_bytes": sent,
         "check": check,
     }
+
+
+def _device(spec: dict) -> torch.device:
+    if spec.get("device", "cpu") == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+    return torch.device("cpu")
+
+
+def _init_process_group(spec: dict) -> None:
+    device = _device(spec)
+    if device.type == "cuda":  # NCCL, rank r bound to cuda:r (as a torchrun job on a GPU node)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
 
 
 def _limits(spec: dict) -> dict:
@@ -130,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"rank": rank, "world": world, "python": sys.executable, "torch": torch.__version__}
     code = 0
     try:
-        dist.init_process_group("gloo")
+        _init_process_group(spec)
         result.update(_limits(spec) if spec["scenario"] == "limits" else _measured(spec, rank, world))
     except BaseException as e:  # noqa: BLE001 (reported to the runner, which kills the group)
         result["error"] = f"{type(e).__name__}: {e}".strip()[:2000]

@@ -55,7 +55,8 @@ def rename_keys(keys: Iterable[str], rename: Rename, *, what: str) -> dict[str, 
         what: a description used in error messages (e.g. ``"checkpoint key"``).
 
     Raises:
-        ValueError: two names renamed to the same one (names all three).
+        ValueError: two names renamed to the same one (names all three), or a name renamed to
+            ``__metadata__`` (names the source key).
         TypeError: ``rename`` of the wrong kind, or a callable returning a non-string.
     """
     if rename is None:
@@ -74,6 +75,10 @@ def rename_keys(keys: Iterable[str], rename: Rename, *, what: str) -> dict[str, 
         if not isinstance(new, str):
             raise TypeError(f"rename returned {new!r} ({type(new).__name__}) for {what} {old!r}; "
                             "expected a str or None")
+        if new == "__metadata__":
+            raise ValueError(f"rename maps {what} {old!r} to '__metadata__', the name safetensors "
+                             "reserves for a file's metadata (no reader would see that tensor); "
+                             "choose another name")
         if new in out:
             raise ValueError(f"rename maps both {what}s {out[new]!r} and {old!r} to {new!r}; "
                              "each name must be produced at most once")

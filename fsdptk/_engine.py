@@ -7,7 +7,7 @@ DTensor). Targets may live on ``meta``: outputs are then allocated on the reques
 
 * :func:`agree` + :func:`distribute`: full tensors -> this rank's shards. Metadata (keys, shapes,
   dtypes) is agreed on every rank first with ONE object collective, so every error is raised on
-  every rank. Then either each rank slices its own piece of a source it can read (no communication;
+  every rank. Then either each rank slices its own piece of a source it can read (no tensor moves;
   a source with ``get_slice`` is read shard-on-read), or rank 0 packs every rank's slices of a
   bucket of tensors into one flat byte buffer per rank and scatters it.
 * :func:`collect`: local shards -> full CPU tensors on rank 0 only, bucket by bucket, with
@@ -15,14 +15,26 @@ DTensor). Targets may live on ``meta``: outputs are then allocated on the reques
 
 All placement math comes from DTensor (``_get_shard_size_and_offsets``, the function behind
 ``compute_local_shape_and_global_offset``); only NF4 uses torchao's own dim-0 split. Everything runs
-on the default process group. See ``/tmp/team/ENGINE_API.md`` / ``docs/state_dict.md``.
+on the default process group. See ``docs/state_dict.md``.
+
+Failure protocol (``docs/failure_model.md``): a failure on any rank, in any phase, becomes the same
+exception on every rank. The metadata agreement carries each rank's local error; after it every
+bucket has exactly one status agreement (one ``all_reduce`` of three int64s: the lowest failing
+rank, and a checksum of the replicated tensors read since the last agreement), placed before any
+byte of that bucket moves, plus one after the last bucket. A rank that fails (a read, a pack, an
+unpack, the caller's code thrown in with ``generator.throw``) stops working and goes to the next
+agreement, where every rank raises the lowest failing rank's error (one object all-gather of the
+messages, only then). Without ``src_rank0`` no tensor moves and the agreement is the data phase's
+only collective: it runs once per ``_LOCAL_AGREE_BUCKETS`` buckets. Outputs are yielded only after their bucket's agreement, and the final
+agreement runs before the generator ends, so a caller that assigns after the loop never assigns
+on one rank what another rank failed to load.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -32,10 +44,21 @@ from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from fsdptk import nf4 as _nf4
+from fsdptk.runtime import (
+    _comm_device,
+    all_gather_object,
+    comm_errors,
+    error_payload,
+    raise_lowest,
+)
+from fsdptk.runtime import get_world_size_and_rank as _world
 
 __all__ = ["agree", "distribute", "collect", "LoadPlan", "TensorMeta", "DEFAULT_BUCKET_BYTES"]
 
 DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024  # small enough that packing overlaps sending
+# without src_rank0 no tensor moves, so the status agreement is the only collective of the data
+# phase: it runs once per this many buckets (16 MiB buckets: every 256 MiB of full tensors)
+_LOCAL_AGREE_BUCKETS = 16
 _ALIGN = 16  # byte alignment of every piece inside a flat buffer (any dtype can be viewed)
 
 # A box is one rank's piece of a full tensor: per dim either a ``slice(start, stop)`` or a tuple of
@@ -86,19 +109,6 @@ class LoadPlan:
 
 # ---------------------------------------------------------------------------------------------
 # process group and placement helpers
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
-
-
-def _comm_device() -> torch.device:
-    backend = str(dist.get_backend()).lower()
-    if "gloo" in backend:
-        return torch.device("cpu")
-    return torch.device(torch.accelerator.current_accelerator() or "cuda", torch.accelerator.current_device_index())
 
 
 def _kind(t: torch.Tensor) -> str:
@@ -377,19 +387,22 @@ def agree(
         (['w'], [], ['x'])
     """
     world, rank = _world()
-    entries = [_entry(fqn, t) for fqn, t in targets]
-    seen: set[str] = set()
-    dupes = [e.fqn for e in entries if e.fqn in seen or seen.add(e.fqn)]  # type: ignore[func-returns-value]
-    if dupes:
-        raise ValueError(f"duplicate target fqns: {dupes}")
-    fp = _fingerprint((e.fqn, e.shape, str(e.target.dtype), e.kind) for e in entries)
-    reads = rank == 0 or not src_rank0
-    check = _check_source(entries, source, cast) if reads else None
-    layout = [(e.local, e.parts) for e in entries] if src_rank0 and world > 1 else None
-    payloads: list[Any] = [(fp, check, layout)]
-    if world > 1:
-        payloads = [None] * world
-        dist.all_gather_object(payloads, (fp, check, layout))
+    entries: list[_Entry] = []
+    fp, check, layout, error = None, None, None, None
+    try:  # local work: a failure here (a lazy source raising, a bad target) is agreed below
+        entries = [_entry(fqn, t) for fqn, t in targets]
+        seen: set[str] = set()
+        dupes = [e.fqn for e in entries if e.fqn in seen or seen.add(e.fqn)]  # type: ignore[func-returns-value]
+        if dupes:
+            raise ValueError(f"duplicate target fqns: {dupes}")
+        fp = _fingerprint((e.fqn, e.shape, str(e.target.dtype), e.kind) for e in entries)
+        reads = rank == 0 or not src_rank0
+        check = _check_source(entries, source, cast) if reads else None
+        layout = [(e.local, e.parts) for e in entries] if src_rank0 and world > 1 else None
+    except Exception as e:  # noqa: BLE001 - raised on every rank just below
+        error = e
+    payloads = all_gather_object((fp, check, layout, error_payload(error)))
+    raise_lowest([p[3] for p in payloads], error)
     diff = [r for r, p in enumerate(payloads) if p[0] != payloads[0][0]]
     if diff:
         raise ValueError(f"the targets (fqns, shapes, dtypes) differ between rank 0 and ranks {diff}")
@@ -417,6 +430,121 @@ def agree(
 
 
 # ---------------------------------------------------------------------------------------------
+# status agreement (the failure protocol of distribute and collect; see the module docstring)
+
+_SUM_BITS = 60  # checksums fit an int64 with room to negate
+
+
+def _checksum(tensors: Iterable[torch.Tensor]) -> int:
+    """A cheap content checksum: the sum of the tensors' 32-bit words (16-bit, 8-bit for odd sizes).
+
+    Any changed value changes it; a permutation of the same values does not (not needed here: it
+    tells apart what different ranks loaded, not an adversary).
+    """
+    total = 0
+    for t in tensors:
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        if b.storage_offset() % 4:  # word views need aligned storage: the same sum either way
+            b = b.clone()
+        n = b.numel()
+        words = b.view(torch.int32) if n % 4 == 0 else b.view(torch.int16) if n % 2 == 0 else b
+        total = total * 1000003 + n + int(torch.sum(words, dtype=torch.int64))
+    return total & ((1 << _SUM_BITS) - 1)
+
+
+class _Status:
+    """One rank's side of the status agreements of one engine call.
+
+    ``error`` is this rank's first failure (its own, or the caller's thrown in with
+    ``generator.throw``); ``sums`` the checksums of the replicated (non-DTensor) tensors this rank
+    read since the last agreement, kept only when every rank reads its own source.
+    """
+
+    def __init__(self, what: str, check_replicas: bool = False) -> None:
+        self.what = what
+        self.error: BaseException | None = None
+        self.check_replicas = check_replicas
+        self.sums: list[tuple[str, int]] = []
+
+    def fail(self, error: BaseException, context: str | None = None) -> None:
+        """Record ``error`` (the first one only); ``context`` (e.g. the key) becomes a note."""
+        if self.error is None:
+            if context:
+                error.add_note(f"fsdptk {self.what}: {context} on rank {_world()[1]}")
+            self.error = error
+
+    def replica(self, fqn: str, tensors: Iterable[torch.Tensor]) -> None:
+        """Remember the checksum of a replicated tensor this rank read from its own source."""
+        if self.check_replicas:
+            self.sums.append((fqn, _checksum(tensors)))
+
+    def agree(self) -> None:
+        """Collective: raise the lowest failing rank's error, or differing replicas, on every rank."""
+        world, rank = _world()
+        if world == 1:
+            if self.error is not None:
+                raise self.error
+            return
+        h = int(hashlib.sha1(repr(self.sums).encode()).hexdigest(), 16) & ((1 << _SUM_BITS) - 1)
+        t = torch.tensor([world - rank if self.error is not None else 0, h, -h], dtype=torch.int64,
+                         device=_comm_device())
+        with comm_errors(self.what):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        failed, high, low = (int(v) for v in t.tolist())
+        if failed:
+            raise_lowest(all_gather_object(error_payload(self.error)), self.error)
+        if high != -low:
+            self._raise_replicas_differ()
+        self.sums = []
+
+    def _raise_replicas_differ(self) -> None:
+        views = [dict(v) for v in all_gather_object(self.sums)]
+        bad: dict[str, list[int]] = {}
+        for r, view in enumerate(views[1:], start=1):
+            for fqn, s in view.items():
+                if views[0].get(fqn) != s:
+                    bad.setdefault(fqn, []).append(r)
+        shown = "; ".join(f"{fqn!r}: ranks {ranks} differ from rank 0" for fqn, ranks in bad.items())
+        raise ValueError(
+            f"cannot load the state: {len(bad)} replicated (non-DTensor) tensor(s) would hold "
+            f"different values on different ranks ({shown}). Each rank read its own source: give "
+            "every rank the same values, or pass broadcast_from_rank0=True so that every rank gets "
+            "rank 0's."
+        )
+
+    def abandon(self) -> None:
+        """The caller dropped the generator mid-way: still take part in the next agreement."""
+        if self.error is None:
+            self.error = RuntimeError(
+                f"fsdptk {self.what}: rank {_world()[1]} stopped iterating before the end (the code "
+                "consuming the generator raised there, or broke out of its loop); that rank's own "
+                "error has the cause")
+        try:
+            self.agree()
+        except Exception:  # noqa: BLE001 - this rank is already leaving with its own error
+            pass
+
+
+def _hand_over(items: Iterable[Any], status: _Status) -> Iterator[Any]:
+    """Yield ``items`` to the caller; an exception thrown in (``generator.throw``) is recorded."""
+    for item in items:
+        try:
+            yield item
+        except Exception as e:  # noqa: BLE001 - the caller's failure, agreed at the next boundary
+            status.fail(e, "the caller's code failed")
+            return
+
+
+def _guarded(body: Iterator[Any], status: _Status) -> Iterator[Any]:
+    """Run an engine generator ``body`` so that a caller who abandons it still agrees."""
+    try:
+        yield from body
+    except GeneratorExit:
+        status.abandon()
+        raise
+
+
+# ---------------------------------------------------------------------------------------------
 # distribute
 
 
@@ -428,9 +556,14 @@ def _out_dtype(plan: LoadPlan, e: _Entry) -> torch.dtype:
 
 def _wrap(e: _Entry, local: torch.Tensor) -> torch.Tensor:
     if e.kind in ("dtensor", "dnf4"):
-        t = e.target
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False,
-                                  shape=t.shape, stride=t.stride())
+        # not DTensor.from_local: it moves a CPU local to the mesh's device type, so a CPU-offload
+        # load (local on CPU, mesh on cuda) would land on the GPU, and FSDP2 then copies it back
+        # into pinned memory, leaving a DTensor whose .device (cuda) disagrees with its local
+        # tensor (cpu). Built directly (as FSDP2 and torchtune's `.cpu()` do), the DTensor is
+        # where its local tensor is.
+        spec = e.target._spec
+        spec = replace(spec, tensor_meta=spec.tensor_meta._replace(dtype=local.dtype))
+        return DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[call-arg]
     return local
 
 
@@ -468,10 +601,20 @@ def distribute(
     on ``device``), a plain full tensor on ``device``, an ``NF4Tensor``, or a DTensor wrapping this
     rank's NF4 chunk (the FULL tensor is quantised with the target's block sizes, then chunked).
 
-    Without ``src_rank0`` each rank slices its own piece of the source it can read: no
-    communication; a source with ``get_slice`` is read shard-on-read (only the local box). With
+    Without ``src_rank0`` each rank slices its own piece of the source it can read: no tensor
+    moves; a source with ``get_slice`` is read shard-on-read (only the local box). With
     ``src_rank0`` rank 0 reads one tensor at a time, packs each rank's bytes of a bucket into one
-    flat buffer per rank and scatters; every rank must then exhaust the generator.
+    flat buffer per rank and scatters. Either way every rank must exhaust the generator (it runs
+    collectives): the status of every bucket is agreed before its bytes move (see the module
+    docstring), so a failure on any rank raises the same error on every rank, and a value is
+    yielded only once every rank has read its bucket. If the caller's own code fails on one rank
+    while consuming, ``generator.throw(exc)`` makes the other ranks raise ``exc`` too (a caller
+    that just drops the generator still lets them raise, with a generic message).
+
+    Replicated (non-DTensor) targets read by every rank from its own source (no ``src_rank0``)
+    are compared across ranks by a checksum carried in the bucket agreements (no extra
+    collective): different values raise a ValueError naming the keys instead of leaving the ranks
+    silently different. With ``src_rank0`` they are rank 0's values on every rank.
 
     Args:
         plan: from :func:`agree` (same ``source`` and ``src_rank0``).
@@ -480,12 +623,17 @@ def distribute(
         release: drop each source entry (``del source[key]``, when the Mapping supports it) right
             after use, so the caller's memory shrinks as the load proceeds. This MUTATES ``source``.
         bucket_bytes: target size (full-tensor bytes) of one scatter; bounds rank 0's extra memory.
+            Without ``src_rank0`` the status is agreed every 16 buckets (nothing is sent).
 
     Returns:
         Iterator[tuple[str, torch.Tensor]]: ``(fqn, value)`` pairs (plain tensors, not Parameters).
 
     Raises:
-        ValueError: when torchao cannot quantise or split an NF4 tensor (names the shape).
+        ValueError: when torchao cannot quantise or split an NF4 tensor (names the shape), or
+            replicated targets would differ between ranks (names the keys and ranks); on every rank.
+        Exception: a read failing on any rank (the source raising, a file gone), on every rank:
+            the lowest failing rank's error, named after that rank and the key it was reading.
+        RuntimeError: the communication itself failed (a rank died), naming the operation.
 
     Example:
         >>> import torch
@@ -498,13 +646,37 @@ def distribute(
     device = torch.device(device)
     world, rank = _world()
     if plan.src_rank0 and world > 1:
-        yield from _distribute_scatter(plan, source, device, release, bucket_bytes, world, rank)
-        return
-    for e in plan._entries:
-        local = _local_piece(plan, e, source, device, release)
-        if release:
-            _release(source, e.fqn)
-        yield e.fqn, _wrap(e, local)
+        status = _Status("load (scatter from rank 0)")
+        body = _distribute_scatter(plan, source, device, release, bucket_bytes, world, rank, status)
+    else:
+        status = _Status("load", check_replicas=world > 1 and not plan.src_rank0)
+        body = _distribute_local(plan, source, device, release, bucket_bytes, status)
+    yield from _guarded(body, status)
+
+
+def _distribute_local(plan: LoadPlan, source: Mapping[str, Any], device: torch.device, release: bool,
+                      bucket_bytes: int, status: _Status) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each rank slices its own pieces; no tensor moves, only the status is agreed per bucket."""
+    entries = plan._entries
+    sizes = [_nbytes(e.shape, _out_dtype(plan, e)) for e in entries]
+    for bucket in _buckets(sizes, bucket_bytes * _LOCAL_AGREE_BUCKETS):
+        out = []
+        for i in bucket if status.error is None else ():
+            e = entries[i]
+            try:
+                local = _local_piece(plan, e, source, device, release)
+                if e.kind in ("plain", "nf4"):
+                    status.replica(e.fqn, _nf4.inner_tensors(local) if e.kind == "nf4" else [local])
+                if release:
+                    _release(source, e.fqn)
+            except Exception as exc:  # noqa: BLE001 - agreed just below
+                status.fail(exc, f"reading {e.fqn!r}")
+                break
+            out.append((e.fqn, _wrap(e, local)))
+        status.agree()
+        yield from _hand_over(out, status)
+        del out
+    status.agree()
 
 
 def _layout_parts(plan: LoadPlan, e: _Entry, layout: tuple[Any, Any]) -> list[tuple[Any, torch.dtype]]:
@@ -528,9 +700,12 @@ def _rank0_pieces(plan: LoadPlan, i: int, source: Mapping[str, Any], world: int,
 
 
 def _distribute_scatter(plan: LoadPlan, source: Mapping[str, Any], device: torch.device, release: bool,
-                        bucket_bytes: int, world: int, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+                        bucket_bytes: int, world: int, rank: int, status: _Status,
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """Rank 0 sends each rank exactly its bytes of a bucket (one flat buffer per rank, point to
-    point: a scatter without padding); rank 0's own pieces never touch a buffer."""
+    point: a scatter without padding); rank 0's own pieces never touch a buffer. Everything that
+    can fail (rank 0's reads and packing, the receive buffers) happens before the bucket's status
+    agreement; a receiver's unpacking failure is agreed at the next one."""
     comm = _comm_device()
     entries = plan._entries
     layouts = plan._layouts or []
@@ -538,37 +713,74 @@ def _distribute_scatter(plan: LoadPlan, source: Mapping[str, Any], device: torch
     full_sizes = [_nbytes(e.shape, _out_dtype(plan, e)) for e in entries]
     for bucket in _buckets(full_sizes, bucket_bytes):
         sizes = [sum(_aligned(_nbytes(s, d)) for i in bucket for s, d in parts[r][i]) for r in range(world)]
-        if rank == 0:
-            bufs = {r: torch.empty(sizes[r], dtype=torch.uint8, device=comm) for r in range(1, world) if sizes[r]}
-            offs = dict.fromkeys(bufs, 0)
-            own = []
-            for i in bucket:
-                pieces = _rank0_pieces(plan, i, source, world, comm)
-                if release:
-                    _release(source, entries[i].fqn)
-                own.append([torch.empty(p.shape, dtype=p.dtype, device=device).copy_(p) for p in pieces[0]])
-                for r in bufs:
-                    for p in pieces[r]:
-                        offs[r] = _pack(bufs[r], offs[r], p)
-                del pieces
-            works = [dist.isend(buf, dst=r) for r, buf in bufs.items()]
-            for i, tensors in zip(bucket, own):
-                yield entries[i].fqn, _wrap(entries[i], _assemble(entries[i], tensors))
-            for w in works:
-                w.wait()
-            del bufs, own
-            continue
-        recv = torch.empty(sizes[rank], dtype=torch.uint8, device=comm)
-        if sizes[rank]:
-            dist.recv(recv, src=0)
-        off = 0
-        for i in bucket:
-            tensors = []
-            for shape, dtype in parts[rank][i]:
-                t, off = _unpack(recv, off, shape, dtype, device)
-                tensors.append(t)
-            yield entries[i].fqn, _wrap(entries[i], _assemble(entries[i], tensors))
-        del recv
+        bufs: dict[int, torch.Tensor] = {}
+        out: list[tuple[str, torch.Tensor]] = []
+        if status.error is None:
+            try:
+                if rank == 0:
+                    bufs, out = _scatter_pack(plan, bucket, source, sizes, world, comm, device, release,
+                                              status)
+                elif sizes[rank]:
+                    bufs = {rank: torch.empty(sizes[rank], dtype=torch.uint8, device=comm)}
+            except Exception as exc:  # noqa: BLE001 - agreed just below
+                status.fail(exc)
+        status.agree()
+        with comm_errors(status.what):
+            if rank == 0:
+                works = [dist.isend(buf, dst=r) for r, buf in bufs.items()]
+                for w in works:
+                    w.wait()
+            elif sizes[rank]:
+                dist.recv(bufs[rank], src=0)
+        if rank != 0 and status.error is None:
+            try:
+                out = _scatter_unpack(plan, bucket, parts[rank], bufs.get(rank), device)
+            except Exception as exc:  # noqa: BLE001 - agreed at the next boundary
+                status.fail(exc, f"unpacking a bucket of {[entries[i].fqn for i in bucket]}")
+        del bufs
+        yield from _hand_over(out, status)
+        del out
+    status.agree()
+
+
+def _scatter_pack(plan: LoadPlan, bucket: list[int], source: Mapping[str, Any], sizes: list[int],
+                  world: int, comm: torch.device, device: torch.device, release: bool, status: _Status,
+                  ) -> tuple[dict[int, torch.Tensor], list[tuple[str, torch.Tensor]]]:
+    """Rank 0: read a bucket, pack every other rank's bytes, keep its own pieces as outputs."""
+    entries = plan._entries
+    bufs = {r: torch.empty(sizes[r], dtype=torch.uint8, device=comm) for r in range(1, world) if sizes[r]}
+    offs = dict.fromkeys(bufs, 0)
+    out = []
+    for i in bucket:
+        e = entries[i]
+        try:
+            pieces = _rank0_pieces(plan, i, source, world, comm)
+        except Exception as exc:
+            status.fail(exc, f"reading {e.fqn!r}")
+            raise
+        if release:
+            _release(source, e.fqn)
+        own = [torch.empty(p.shape, dtype=p.dtype, device=device).copy_(p) for p in pieces[0]]
+        out.append((e.fqn, _wrap(e, _assemble(e, own))))
+        for r in bufs:
+            for piece in pieces[r]:
+                offs[r] = _pack(bufs[r], offs[r], piece)
+        del pieces
+    return bufs, out
+
+
+def _scatter_unpack(plan: LoadPlan, bucket: list[int], parts: list[Any], buf: torch.Tensor | None,
+                    device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """A receiver: its outputs of a bucket, viewed out of (or copied from) the received buffer."""
+    out, off = [], 0
+    for i in bucket:
+        e = plan._entries[i]
+        tensors = []
+        for shape, dtype in parts[i]:
+            t, off = _unpack(buf, off, shape, dtype, device)  # type: ignore[arg-type]
+            tensors.append(t)
+        out.append((e.fqn, _wrap(e, _assemble(e, tensors))))
+    return out
 
 
 def _assemble(e: _Entry, tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -612,7 +824,10 @@ def collect(
     (CPU, original dtype, NF4 dequantised, fresh memory not shared with the model); the other ranks
     yield ``[]`` per bucket. Memory beyond the shards: one bucket (rank 0: full tensors plus the
     received buffers; other ranks: their packed pieces). Consistency of the items is checked first
-    with one object collective, so a mismatch is an error on every rank, not a hang.
+    with one object collective, so a mismatch is an error on every rank, not a hang; then the
+    status of every bucket is agreed before its bytes move (see the module docstring): a failure
+    on any rank raises the same error on every rank. A caller whose own code fails on one rank
+    while consuming (a file write) calls ``generator.throw(exc)`` so the other ranks raise ``exc``.
 
     Args:
         items: ``(fqn, tensor)`` pairs in the same order on every rank: DTensors (any mesh,
@@ -624,6 +839,9 @@ def collect(
 
     Raises:
         ValueError: on every rank, when items differ between ranks or a tensor is on ``meta``.
+        Exception: any rank's failure (reading a shard, the caller's thrown-in error), on every
+            rank: the lowest failing rank's error, named after that rank.
+        RuntimeError: the communication itself failed (a rank died), naming the operation.
 
     Example:
         >>> import torch
@@ -632,62 +850,122 @@ def collect(
         [[('w', torch.Size([2, 3]))]]
     """
     world, rank = _world()
-    items = list(items)
-    views = [_collect_view(t, rank) for _, t in items]
-    problems = [("ValueError", f"{fqn!r} {p}") for (fqn, _), (_, _, p) in zip(items, views) if p]
-    fp = _fingerprint((fqn, tuple(t.shape), str(t.dtype), v[0]) for (fqn, t), v in zip(items, views))
-    payloads: list[Any] = [(fp, [v[1] for v in views], problems)]
-    if world > 1:
-        payloads = [None] * world
-        dist.all_gather_object(payloads, (fp, [v[1] for v in views], problems))
+    views: list[tuple[str, Box | None, str | None]] = []
+    problems: list[tuple[str, str]] = []
+    fp, error = None, None
+    try:  # local work: a failure here is agreed below, with the metadata
+        items = list(items)
+        views = [_collect_view(t, rank) for _, t in items]
+        problems = [("ValueError", f"{fqn!r} {p}") for (fqn, _), (_, _, p) in zip(items, views) if p]
+        fp = _fingerprint((fqn, tuple(t.shape), str(t.dtype), v[0]) for (fqn, t), v in zip(items, views))
+    except Exception as e:  # noqa: BLE001 - raised on every rank just below
+        error = e
+    payloads = all_gather_object((fp, [v[1] for v in views], problems, error_payload(error)))
+    raise_lowest([p[3] for p in payloads], error)
     diff = [r for r, p in enumerate(payloads) if p[0] != payloads[0][0]]
     all_problems = [(k, (f"rank {r}: " if world > 1 else "") + m) for r, p in enumerate(payloads) for k, m in p[2]]
     if diff:
         all_problems.append(("ValueError", f"the items (fqns, shapes, dtypes) differ between rank 0 and ranks {diff}"))
     _raise(all_problems, "cannot gather the state")
-    boxes = [p[1] for p in payloads]
+    status = _Status("gather")
+    yield from _guarded(_collect_buckets(items, [p[1] for p in payloads], bucket_bytes, status), status)  # type: ignore[arg-type]
+
+
+def _collect_buckets(items: list[tuple[str, torch.Tensor]], boxes: list[list[Box | None]],
+                     bucket_bytes: int, status: _Status) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The data phase of :func:`collect`: per bucket, pack, agree, then move the bytes."""
+    world, rank = _world()
     comm = _comm_device() if world > 1 else torch.device("cpu")
     sizes = [_nbytes(t.shape, t.dtype) for _, t in items]
     for bucket in _buckets(sizes, bucket_bytes):
+        bufs: dict[int, torch.Tensor] = {}
+        fulls: dict[int, torch.Tensor] = {}
+        if status.error is None:
+            try:
+                if rank == 0:
+                    fulls = {i: torch.empty(tuple(items[i][1].shape), dtype=items[i][1].dtype) for i in bucket}
+                    bufs = _collect_recv_buffers(items, bucket, boxes, world, comm)
+                else:
+                    bufs = _collect_pack(items, bucket, boxes[rank], comm, rank, status)
+            except Exception as exc:  # noqa: BLE001 - agreed just below
+                status.fail(exc)
+        status.agree()
         if rank == 0:
-            yield _collect_rank0(items, bucket, boxes, world, comm)
-        else:
-            _collect_send(items, bucket, boxes[rank], comm)
-            yield []
+            out = _collect_rank0(items, bucket, boxes, fulls, bufs, status)
+            if status.error is None:
+                yield from _hand_over([out], status)
+            del out, fulls
+            continue
+        if bufs:
+            with comm_errors(status.what):
+                dist.send(bufs[rank], dst=0)
+        del bufs
+        yield from _hand_over([[]], status)
+    status.agree()
 
 
-def _collect_send(items: list[tuple[str, torch.Tensor]], bucket: list[int], boxes: list[Box | None],
-                  comm: torch.device) -> None:
+def _collect_pack(items: list[tuple[str, torch.Tensor]], bucket: list[int], boxes: list[Box | None],
+                  comm: torch.device, rank: int, status: _Status) -> dict[int, torch.Tensor]:
+    """A sender: its bytes of a bucket in one flat buffer (``{}`` when it owns none of them)."""
     mine = [i for i in bucket if boxes[i] is not None]
     total = sum(_aligned(_nbytes(_box_shape(boxes[i]), items[i][1].dtype)) for i in mine)
     if total == 0:
-        return
+        return {}
     buf = torch.empty(total, dtype=torch.uint8, device=comm)
     off = 0
     for i in mine:
-        off = _pack(buf, off, _plain_local(items[i][1]))
-    dist.send(buf, dst=0)
+        try:
+            off = _pack(buf, off, _plain_local(items[i][1]))
+        except Exception as exc:
+            status.fail(exc, f"reading its shard of {items[i][0]!r}")
+            raise
+    return {rank: buf}
 
 
-def _collect_rank0(items: list[tuple[str, torch.Tensor]], bucket: list[int], boxes: list[list[Box | None]],
-                   world: int, comm: torch.device) -> list[tuple[str, torch.Tensor]]:
-    fulls = {i: torch.empty(tuple(items[i][1].shape), dtype=items[i][1].dtype) for i in bucket}
-    works, bufs = [], {}
+def _collect_recv_buffers(items: list[tuple[str, torch.Tensor]], bucket: list[int],
+                          boxes: list[list[Box | None]], world: int, comm: torch.device,
+                          ) -> dict[int, torch.Tensor]:
+    bufs = {}
     for r in range(1, world):
         total = sum(_aligned(_nbytes(_box_shape(boxes[r][i]), items[i][1].dtype))
                     for i in bucket if boxes[r][i] is not None)
         if total:
             bufs[r] = torch.empty(total, dtype=torch.uint8, device=comm)
-            works.append(dist.irecv(bufs[r], src=r))
-    for i in bucket:  # rank 0's own pieces while the others' bytes arrive
-        if boxes[0][i] is not None:
-            _place(fulls[i], boxes[0][i], _plain_local(items[i][1]).cpu())
-    for w in works:
-        w.wait()
-    for r, buf in bufs.items():
-        off = 0
-        for i in bucket:
-            if boxes[r][i] is not None:
-                piece, off = _unpack(buf, off, _box_shape(boxes[r][i]), items[i][1].dtype, torch.device("cpu"))
-                _place(fulls[i], boxes[r][i], piece)
+    return bufs
+
+
+def _collect_rank0(items: list[tuple[str, torch.Tensor]], bucket: list[int], boxes: list[list[Box | None]],
+                   fulls: dict[int, torch.Tensor], bufs: dict[int, torch.Tensor], status: _Status,
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """Rank 0: receive a bucket into its buffers while placing its own pieces, then unpack.
+
+    A failure while placing is recorded (agreed at the next boundary); the receives complete
+    either way, so the other ranks' sends never wait."""
+    with comm_errors(status.what):
+        works = [dist.irecv(buf, src=r) for r, buf in bufs.items()]
+    name = None
+    try:
+        for i in bucket:  # rank 0's own pieces while the others' bytes arrive
+            if boxes[0][i] is not None:
+                name = items[i][0]
+                _place(fulls[i], boxes[0][i], _plain_local(items[i][1]).cpu())
+    except Exception as exc:  # noqa: BLE001 - agreed at the next boundary
+        status.fail(exc, f"reading its shard of {name!r}")
+    with comm_errors(status.what):
+        for w in works:
+            w.wait()
+    if status.error is not None:
+        return []
+    try:
+        for r, buf in bufs.items():
+            off = 0
+            for i in bucket:
+                if boxes[r][i] is not None:
+                    name = items[i][0]
+                    piece, off = _unpack(buf, off, _box_shape(boxes[r][i]), items[i][1].dtype,
+                                         torch.device("cpu"))
+                    _place(fulls[i], boxes[r][i], piece)
+    except Exception as exc:  # noqa: BLE001 - agreed at the next boundary
+        status.fail(exc, f"assembling {name!r}")
+        return []
     return [(items[i][0], fulls[i]) for i in bucket]

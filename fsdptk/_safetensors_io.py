@@ -11,19 +11,24 @@ The writer is :mod:`fsdptk._safetensors_writer`.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from fsdptk._files.paths import plain_name, require_regular
+
 __all__ = ["CheckpointError", "SafetensorsCheckpoint", "parse_size"]
 
 INDEX_SUFFIX = ".safetensors.index.json"
-_SHARD_RE = re.compile(r"^(?P<prefix>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.safetensors$")
+# HF shard names; fsdptk adds a save token (``.1a2b3c4d``) when the plain names are taken
+_SHARD_RE = re.compile(r"^(?P<prefix>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})(?:\.[0-9a-f]{8})?\.safetensors$")
 
 _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -106,24 +111,39 @@ def _numel(shape: Sequence[int]) -> int:
 def _open(file: Path, origin: str) -> Any:
     from safetensors import SafetensorError, safe_open
 
-    if not file.is_file():
-        raise FileNotFoundError(f"safetensors file {str(file)!r} is missing{origin}")
+    try:
+        st = require_regular(file, "safetensors file")
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"safetensors file {str(file)!r} is missing{origin}") from None
     try:
         return safe_open(str(file), framework="pt")
     except SafetensorError as e:
         raise CheckpointError(
             f"{str(file)!r} is not a readable safetensors file (corrupt or truncated, "
-            f"{file.stat().st_size} bytes on disk): {e}") from e
+            f"{st.st_size} bytes on disk): {e}") from e
 
 
 def _resolve(path: Path) -> tuple[Path | None, list[Path]]:
-    """(index file or None, safetensors files) of a checkpoint path."""
-    if path.is_file():
+    """(index file or None, safetensors files) of a checkpoint path.
+
+    In a directory, ``model.safetensors`` is preferred to an index, as ``transformers`` does
+    (``modeling_utils._get_resolved_checkpoint_files`` checks the single file first): a stale
+    ``model.safetensors.index.json`` beside a newer single file is ignored.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"no safetensors checkpoint at {str(path)!r}: no such file "
+                                              "or directory") from None
+    if not stat.S_ISDIR(st.st_mode):
+        require_regular(path, "checkpoint file")
         if path.name.endswith(INDEX_SUFFIX) or path.suffix == ".json":
             return path, []
         return None, [path]
-    if not path.is_dir():
-        raise FileNotFoundError(f"no safetensors checkpoint at {str(path)!r}: no such file or directory")
+    single = path / "model.safetensors"
+    if os.path.lexists(single):
+        require_regular(single, "safetensors file")
+        return None, [single]
     indexes = sorted(path.glob("*" + INDEX_SUFFIX))
     if len(indexes) > 1:
         preferred = path / ("model" + INDEX_SUFFIX)
@@ -132,9 +152,8 @@ def _resolve(path: Path) -> tuple[Path | None, list[Path]]:
                                   f"{[p.name for p in indexes]}: pass the one to load")
         indexes = [preferred]
     if indexes:
+        require_regular(indexes[0], "safetensors index")
         return indexes[0], []
-    if (path / "model.safetensors").is_file():
-        return None, [path / "model.safetensors"]
     files = sorted(p for p in path.glob("*.safetensors") if p.is_file())
     sharded = [p.name for p in files if _SHARD_RE.match(p.name)]
     if sharded:
@@ -142,7 +161,8 @@ def _resolve(path: Path) -> tuple[Path | None, list[Path]]:
             f"{str(path)!r} holds shard files {sharded[:3]}{'...' if len(sharded) > 3 else ''} but no "
             f"'*{INDEX_SUFFIX}': the save that wrote them did not complete")
     if not files:
-        raise FileNotFoundError(f"no '*.safetensors' file and no '*{INDEX_SUFFIX}' in {str(path)!r}")
+        raise FileNotFoundError(errno.ENOENT, f"no '*.safetensors' file and no '*{INDEX_SUFFIX}' in "
+                                              f"{str(path)!r}")
     return None, files
 
 
@@ -157,13 +177,18 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
 
     Args:
         path: a ``.safetensors`` file, an ``*.safetensors.index.json`` file, or a directory holding
-            an index (``model.safetensors.index.json`` preferred), a ``model.safetensors``, or
-            unsharded ``*.safetensors`` files (their union).
+            a ``model.safetensors`` (preferred, as ``transformers`` prefers it: an index beside it
+            is stale), an index (``model.safetensors.index.json`` preferred), or unsharded
+            ``*.safetensors`` files (their union).
+
+    Index entries must be plain file names in the index's directory (a file may be a symlink, as
+    in the Hugging Face cache); only regular files are opened (a FIFO or device never is).
 
     Raises:
         FileNotFoundError: no checkpoint at ``path``, or a shard the index names is missing.
         CheckpointError: a corrupt or truncated file, a bad index, an index naming a key its file
-            does not hold, a key in two files, or shard files left without their index.
+            does not hold or a file outside its directory (``../x``, an absolute path), a file that
+            is not a regular file, a key in two files, or shard files left without their index.
 
     Example:
         >>> import tempfile, torch
@@ -196,12 +221,13 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
             weight_map = data["weight_map"]
             if not isinstance(weight_map, dict):
                 raise TypeError(f"weight_map is a {type(weight_map).__name__}, not an object")
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise CheckpointError(f"index {str(index)!r} is not a valid safetensors index "
                                   f"({type(e).__name__}: {e})") from e
         by_file: dict[str, list[str]] = {}
         for key, fname in weight_map.items():
-            by_file.setdefault(str(fname), []).append(str(key))
+            plain_name(fname, what=f"index {str(index)!r} (key {key!r})")
+            by_file.setdefault(fname, []).append(str(key))
         for fname, keys in by_file.items():
             file = index.parent / fname
             handle = _open(file, f" (named by the index {str(index)!r} for {len(keys)} keys, "

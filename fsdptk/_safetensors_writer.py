@@ -1,14 +1,17 @@
 """Atomic, streaming writer of safetensors checkpoints in the Hugging Face layout.
 
-Writing lays every shard out from metadata first (keys, dtypes, shapes), so tensors can arrive in any order, one at a time, and go straight to their offset in their
-file: the writer never holds more than the tensor it is given. The files are the standard format
-(8-byte little-endian header length, JSON header padded to 8 bytes, then the data) and are checked
-by ``safetensors.torch.load_file`` in the tests.
+Writing lays every shard out from metadata first (keys, dtypes, shapes), so tensors can arrive in
+any order, one at a time, and go straight to their offset in their file: the writer never holds
+more than the tensor it is given. The files are the standard format (8-byte little-endian header
+length, JSON header padded to 8 bytes, then the data) and are checked by
+``safetensors.torch.load_file`` in the tests.
 
-Atomicity: shards are written as hidden temporary files in the target directory, flushed and
-``fsync``-ed; only then are they renamed into place, the index last (after the old index has been
-removed), so a failure while writing leaves an existing checkpoint untouched and an interrupted
-commit never leaves a directory that looks complete.
+Safety (see :mod:`fsdptk._files.commit` for the commit steps): the writer holds the directory's
+lock (``.fsdptk.lock``) from creation to commit or abort, so a second writer fails at once; it first
+finishes or undoes what a killed writer left (journal, temporary files); shards are written as
+hidden temporary files, fsync-ed, and renamed to names that do not exist yet; the index (or the
+single ``model.safetensors``) is renamed over the old one last, which is the commit. Killed at any
+step, the directory loads as the complete old or the complete new checkpoint.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from typing import Any
 
 import torch
 
+from fsdptk._files.commit import commit_files, fsync_dir, journal_path, recover_safetensors, tmp_name
+from fsdptk._files.lock import DirectoryLock
 from fsdptk._safetensors_io import (
-    _SHARD_RE,
     INDEX_SUFFIX,
     CheckpointError,
     _numel,
@@ -35,7 +39,7 @@ from fsdptk._safetensors_io import (
 
 __all__ = ["ShardedWriter", "plan_shards"]
 
-
+LOCK_NAME = ".fsdptk.lock"
 
 
 @dataclass
@@ -65,6 +69,9 @@ def plan_shards(entries: Sequence[tuple[str, torch.dtype, Sequence[int]]], max_s
     used = 0
     for key, dtype, shape in entries:
         st_dtype(dtype)
+        if key == "__metadata__":
+            raise CheckpointError("a tensor cannot be named '__metadata__' in a safetensors file (that "
+                                  "header entry holds the file's metadata): rename it")
         e = _Entry(key, dtype, tuple(int(s) for s in shape), _numel(shape) * dtype.itemsize)
         if groups[-1] and used + e.nbytes > max_shard_size:
             groups.append([])
@@ -114,8 +121,10 @@ class ShardedWriter:
     """Stage a safetensors checkpoint in ``directory`` and make it visible atomically on commit.
 
     Create it with the full list of entries (metadata only); call :meth:`write` once per key in any
-    order; then :meth:`commit` (or :meth:`abort`). Creating it checks the directory is writable and
-    has room for the data, so an unusable target fails before any tensor is produced.
+    order; then :meth:`commit` (or :meth:`abort`). Creating it takes the directory's lock (a second
+    writer fails at once with :class:`fsdptk._files.lock.CheckpointLockedError` naming the
+    holder), recovers what a killed writer left, and checks the directory is writable and has room
+    for the data, so an unusable target fails before any tensor is produced.
     """
 
     def __init__(self, directory: str | os.PathLike[str],
@@ -123,6 +132,7 @@ class ShardedWriter:
                  max_shard_size: int | str, metadata: Mapping[str, str] | None = None,
                  prefix: str = "model") -> None:
         self.directory = Path(directory)
+        self.prefix = prefix
         self.files = plan_shards(entries, parse_size(max_shard_size), prefix=prefix, metadata=metadata)
         self.index_path = self.directory / (prefix + INDEX_SUFFIX)
         self._entries = {e.key: e for f in self.files for e in f.entries}
@@ -132,10 +142,11 @@ class ShardedWriter:
         self._done: set[int] = set()
         self._written: set[str] = set()
         self._closed = False
+        self._lock = DirectoryLock(self.directory / LOCK_NAME, self.directory)
         self._preflight()
 
     def _tmp(self, name: str) -> Path:
-        return self.directory / f".{name}.{self._token}.tmp"
+        return self.directory / tmp_name(name, self._token)
 
     def _preflight(self) -> None:
         try:
@@ -145,12 +156,30 @@ class ShardedWriter:
                                    f"{e.strerror}") from e
         if not self.directory.is_dir():
             raise NotADirectoryError(f"checkpoint target {str(self.directory)!r} is not a directory")
-        need = sum(f.size for f in self.files)
-        free = shutil.disk_usage(self.directory).free
-        if need > free:
-            raise OSError(28, f"not enough space in {str(self.directory)!r}: the checkpoint needs "
-                              f"{need} bytes, {free} are free")
-        self._open(0)
+        try:
+            self._lock.acquire()
+        except (FileNotFoundError, PermissionError) as e:
+            raise type(e)(e.errno, f"cannot write to checkpoint directory {str(self.directory)!r}: "
+                                   f"{e.strerror}") from e
+        try:
+            recover_safetensors(self.directory, self.prefix)
+            self._unique_shard_names()
+            need = sum(f.size for f in self.files)
+            free = shutil.disk_usage(self.directory).free
+            if need > free:
+                raise OSError(28, f"not enough space in {str(self.directory)!r}: the checkpoint needs "
+                                  f"{need} bytes, {free} are free")
+            self._open(0)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _unique_shard_names(self) -> None:
+        """Shards never overwrite a file in place: when a planned name exists (the current
+        checkpoint's shards), every shard of this save gets the save's token in its name."""
+        if len(self.files) > 1 and any(os.path.lexists(self.directory / f.name) for f in self.files):
+            for f in self.files:
+                f.name = f.name.removesuffix(".safetensors") + f".{self._token}.safetensors"
 
     def _open(self, i: int) -> Any:
         fh = self._handles.get(i)
@@ -193,8 +222,9 @@ class ShardedWriter:
         return e.nbytes
 
     def commit(self) -> Path:
-        """Rename the staged files into place (old index removed first, new index last) and delete
-        the files of the previous checkpoint that the new one does not reuse.
+        """Commit the staged files (crash-safe steps of :mod:`fsdptk._files.commit`): the new
+        checkpoint replaces the old one, whose files are then deleted (only fsdptk's own shard
+        files, never other files of the directory), and the lock is released.
 
         Returns:
             Path: the index file, or the single ``.safetensors`` file.
@@ -202,70 +232,42 @@ class ShardedWriter:
         missing = [k for k in self._entries if k not in self._written]
         if missing:
             raise CheckpointError(f"{len(missing)} planned keys were never written, e.g. {missing[:5]}")
-        prefix_index = self.index_path
-        old = _old_files(self.directory, prefix_index)
-        new_names = {f.name for f in self.files}
-        index_tmp = None
+        for i in range(len(self.files)):  # an empty shard (no tensor) is complete with its header
+            if i not in self._done:
+                self._open(i)
+                self._finish(i)
+        index = None
         if len(self.files) > 1:
-            index = {"metadata": {"total_size": self.total_size},
-                     "weight_map": {k: self.files[e.file].name for k, e in sorted(self._entries.items())}}
-            index_tmp = self._tmp(prefix_index.name)
-            with open(index_tmp, "w") as fh:
-                json.dump(index, fh, indent=2)
+            data = {"metadata": {"total_size": self.total_size},
+                    "weight_map": {k: self.files[e.file].name for k, e in sorted(self._entries.items())}}
+            index = (self._tmp(self.index_path.name).name, self.index_path.name)
+            with open(self.directory / index[0], "w") as fh:
+                json.dump(data, fh, indent=2)
                 fh.write("\n")
                 fh.flush()
                 os.fsync(fh.fileno())
-        # From here on only renames: the old index goes first, so no mix ever looks complete.
-        if prefix_index.exists():
-            prefix_index.unlink()
-        for f in self.files:
-            os.replace(self._tmp(f.name), self.directory / f.name)
-        if index_tmp is not None:
-            os.replace(index_tmp, prefix_index)
-        for p in old - new_names:
-            (self.directory / p).unlink(missing_ok=True)
-        _fsync_dir(self.directory)
+        commit_files(self.directory, self.prefix, self._token,
+                     [(self._tmp(f.name).name, f.name) for f in self.files], index)
         self._closed = True
-        return prefix_index if index_tmp is not None else self.directory / self.files[0].name
+        self._lock.release()
+        return self.index_path if index is not None else self.directory / self.files[0].name
 
     def abort(self) -> None:
-        """Close and delete every staged file (the previous checkpoint is untouched)."""
+        """Close and delete every staged file (the previous checkpoint is untouched); an
+        interrupted commit is finished or undone as the next writer would. Releases the lock."""
         for fh in self._handles.values():
             try:
                 fh.close()
             except OSError:
                 pass
-        for f in self.files:
-            self._tmp(f.name).unlink(missing_ok=True)
-        self._closed = True
-
-
-def _old_files(directory: Path, index: Path) -> set[str]:
-    """Names of the files of the checkpoint currently in ``directory`` under the same prefix."""
-    prefix = index.name.removesuffix(INDEX_SUFFIX)
-    names: set[str] = set()
-    if index.is_file():
         try:
-            names |= set(json.loads(index.read_text()).get("weight_map", {}).values())
-        except (OSError, ValueError, AttributeError):
-            pass
-    if (directory / f"{prefix}.safetensors").is_file():
-        names.add(f"{prefix}.safetensors")
-    for p in directory.glob(f"{prefix}-*-of-*.safetensors"):
-        m = _SHARD_RE.match(p.name)
-        if m and m.group("prefix") == prefix:
-            names.add(p.name)
-    return {n for n in names if "/" not in n and n != ".."}
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+            journal = journal_path(self.directory, self.prefix)
+            if journal.exists():
+                recover_safetensors(self.directory, self.prefix)
+            for f in self.files:
+                self._tmp(f.name).unlink(missing_ok=True)
+            self._tmp(self.index_path.name).unlink(missing_ok=True)
+            fsync_dir(self.directory)
+        finally:
+            self._closed = True
+            self._lock.release()

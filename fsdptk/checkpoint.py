@@ -18,7 +18,7 @@ rename collision) is agreed before any tensor moves, so all ranks raise the same
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -36,6 +36,7 @@ from fsdptk._checkpoint_common import (
     trim_heap,
 )
 from fsdptk.runtime import all_gather_object, raise_if_any
+from fsdptk._files.lock import CheckpointLockedError
 from fsdptk._safetensors_io import INDEX_SUFFIX, CheckpointError, SafetensorsCheckpoint, parse_size
 from fsdptk._safetensors_writer import ShardedWriter, plan_shards
 from fsdptk.dcp import (
@@ -49,6 +50,7 @@ from fsdptk.dcp import (
 
 __all__ = [
     "CheckpointError",
+    "CheckpointLockedError",
     "SafetensorsCheckpoint",
     "load_safetensors",
     "save_safetensors",
@@ -164,6 +166,7 @@ def load_safetensors(
     cpu_offload: bool = False,
     bucket_bytes: int | None = None,
     progress: bool | None = None,
+    init_buffers: Callable[[nn.Module], None] | None = None,
 ) -> Any:
     """Load a safetensors checkpoint (HF layout) into a sharded or plain model.
 
@@ -189,6 +192,10 @@ def load_safetensors(
         bucket_bytes: full-tensor bytes per scatter bucket for rank-0-read (default: the engine's,
             128 MiB); bounds rank 0's memory beyond its shards.
         progress: a tqdm bar of checkpoint bytes on rank 0 (``None``: only on a terminal).
+        init_buffers: ``fn(module)`` computing the non-persistent buffers (in no checkpoint) of a
+            module that has some on ``meta``, overriding the automatic rules (Hugging Face's init
+            path, torchtune's ``rope_init``, ``reset_parameters``, :func:`fsdptk.register_buffer_init`);
+            as in :func:`fsdptk.load_from_full_model_state_dict`.
 
     Returns:
         ``_IncompatibleKeys(missing_keys, unexpected_keys)`` in model names (as
@@ -198,7 +205,9 @@ def load_safetensors(
         FileNotFoundError: no checkpoint at ``path`` (or a shard missing), on every rank.
         CheckpointError: a corrupt/truncated file, an index naming a key its file lacks, on every
             rank.
-        ValueError: a rename collision, a shape mismatch, or strict with missing/unexpected keys.
+        ValueError: a rename collision, a shape mismatch, or strict with missing/unexpected keys;
+            non-persistent buffers on ``meta`` that no rule can compute (names them and the
+            remedies).
 
     Example:
         >>> import tempfile, torch
@@ -227,7 +236,8 @@ def load_safetensors(
             return load_from_full_model_state_dict(
                 model, view, infer_device(model) if device is None else torch.device(device),
                 strict=strict, cpu_offload=cpu_offload, release_sd=False,
-                broadcast_from_rank0=not shard_on_read, **_bucket(bucket_bytes))
+                broadcast_from_rank0=not shard_on_read, init_buffers=init_buffers,
+                **_bucket(bucket_bytes))
     finally:
         if ckpt is not None:
             ckpt.close()
@@ -253,20 +263,20 @@ def _save_items(model: nn.Module, tied: str, rename: Rename, dtype: torch.dtype 
     return items, out_name, dtypes
 
 
-def _stream(buckets: Iterator[list[tuple[str, torch.Tensor]]], writer: ShardedWriter | None,
+def _stream(buckets: Generator[list[tuple[str, torch.Tensor]], None, None], writer: ShardedWriter | None,
             out_name: dict[str, str], dtypes: dict[str, torch.dtype], bar: Any
             ) -> tuple[BaseException | None, Path | None]:
-    """Write every gathered tensor (rank 0) and commit; a write error is kept, not raised, so that
-    every rank still runs every collective of ``buckets`` and the error is agreed afterwards."""
+    """Write every gathered tensor (rank 0) and commit. A write error is thrown into ``buckets``
+    (the engine's ``collect``): its next status agreement raises it on every rank at once."""
     error: BaseException | None = None
     with bar:
         for bucket in buckets:
             for key, full in bucket:  # rank 0 only; the other ranks get empty buckets
-                if error is None and writer is not None:
+                if writer is not None:
                     try:
                         bar.update(writer.write(out_name[key], full.to(dtypes[key])))
-                    except Exception as e:  # noqa: BLE001 - agreed after the collectives
-                        error = e
+                    except Exception as e:  # noqa: BLE001 - agreed by the engine, raised here
+                        buckets.throw(e)
                 del full
             if writer is not None:
                 del bucket
@@ -293,6 +303,7 @@ def save_safetensors(
     metadata: Mapping[str, str] | None = None,
     bucket_bytes: int | None = None,
     progress: bool | None = None,
+    write_config: bool = True,
 ) -> Path:
     """Save a (sharded) model as a Hugging Face safetensors checkpoint directory, streaming.
 
@@ -303,7 +314,8 @@ def save_safetensors(
     ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``
     (``metadata.total_size``, ``weight_map``). Files are written under temporary names, fsync-ed and
     renamed, the index last; a failed save leaves an existing checkpoint in ``path`` as it was, and
-    other files in ``path`` (``config.json``, ...) are kept. NF4 weights are written dequantised.
+    other files in ``path`` are kept (``config.json`` is replaced by the model's own, see
+    ``write_config``). NF4 weights are written dequantised.
 
     Args:
         model: the model (FSDP2-sharded, tensor-parallel, or plain). Non-persistent buffers are
@@ -319,6 +331,11 @@ def save_safetensors(
         bucket_bytes: full-tensor bytes gathered per step (default: the engine's, 128 MiB): rank
             0's memory beyond its own shards is about one bucket.
         progress: a tqdm bar of bytes written on rank 0 (``None``: only on a terminal).
+        write_config: when the model carries a Hugging Face config (``model.config``), also write
+            ``config.json`` (and ``generation_config.json`` when the model can generate) as
+            ``save_pretrained`` does, so ``from_pretrained(path)`` loads the directory as is. They
+            are staged on rank 0 before any tensor moves and renamed into place right after the
+            weights are committed: a failed save leaves no new config. ``False``: weights only.
 
     Returns:
         Path: the index file, or the single ``model.safetensors`` (on every rank).
@@ -327,6 +344,8 @@ def save_safetensors(
         ValueError: bad ``tied`` / ``max_shard_size``, or a rename collision (every rank).
         OSError: the directory cannot be created or written, or has too little free space; raised
             on every rank, with no file of the new checkpoint left behind.
+        CheckpointLockedError: another writer is saving to ``path`` (a ``BlockingIOError`` naming
+            its pid, host and start time), on every rank.
 
     Example:
         >>> import tempfile, torch
@@ -347,8 +366,18 @@ def save_safetensors(
     entries = [(out_name[k], dtypes[k], tuple(t.shape)) for k, t in items]
     files = plan_shards(entries, limit)  # validates dtypes on every rank
     _, rank = _world()
-    writer: ShardedWriter | None = run_agreed(
-        lambda: ShardedWriter(path, entries, max_shard_size=limit, metadata=metadata), on=rank == 0)
+
+    def open_writer() -> tuple[ShardedWriter, Any]:
+        from fsdptk.hf import _stage_hf_config
+
+        w = ShardedWriter(path, entries, max_shard_size=limit, metadata=metadata)
+        try:
+            return w, (_stage_hf_config(model, path, dtype=dtype) if write_config else None)
+        except BaseException:
+            w.abort()
+            raise
+
+    writer, config = run_agreed(open_writer, on=rank == 0) or (None, None)
     try:
         error, result = _stream(collect(items, **bucket), writer, out_name, dtypes,
                                 progress_bar(writer.total_size if writer else 0, f"save {path.name}",
@@ -356,7 +385,14 @@ def save_safetensors(
     except BaseException:  # the engine failed on every rank: leave nothing behind
         if writer is not None:
             writer.abort()
+        if config is not None:
+            config.abort()
         raise
+    if config is not None:  # the weights are committed (or not): the config follows
+        try:
+            config.commit() if error is None else config.abort()
+        except Exception as e:  # noqa: BLE001 - agreed just below
+            error = e
     raise_if_any(error)
     if result is not None:
         return result

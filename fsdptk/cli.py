@@ -3,7 +3,9 @@
 Subcommands:
 
 - ``plan MODULE:FACTORY --world-size N``: the dry-run sharding report (:func:`fsdptk.describe_sharding`)
-  of a model built on the meta device by ``FACTORY()`` from ``MODULE``.
+  of a model built on the meta device by ``FACTORY()`` from ``MODULE``; ``plan DIR`` builds a
+  Hugging Face checkpoint directory's model (``config.json``, no weights read) on meta with
+  ``AutoModelForCausalLM.from_config`` and uses its ``_no_split_modules`` classes as units.
 - ``inspect PATH``: keys, shapes, dtypes and total size of a checkpoint (a ``.safetensors`` file, a
   directory of them, a DCP directory, or a ``torch.save`` file), without loading tensor data.
 - ``convert SRC DST``: DCP directory <-> safetensors, memory-bounded (:mod:`fsdptk.checkpoint`).
@@ -16,6 +18,7 @@ Example:
     .. code-block:: bash
 
         fsdptk plan examples.llama:tiny --world-size 4
+        fsdptk plan $HF_HOME/hub/models--Qwen--Qwen2.5-0.5B/snapshots/<rev> --world-size 8
         fsdptk inspect runs/llama/checkpoints/step_000300/model.safetensors
         fsdptk demo --nproc 2 --steps 60
 """
@@ -27,6 +30,7 @@ import fnmatch
 import importlib
 import json
 import os
+import stat
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -68,55 +72,97 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
+def _regular(path: Path) -> int:
+    """The size of ``path``; CLIError unless it is a regular file (a FIFO is never opened)."""
+    from fsdptk._files.paths import file_kind
+
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise CLIError(f"{path}: {e.strerror or e}") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise CLIError(f"{path} is a {file_kind(st.st_mode)}, not a regular file; refusing to open it")
+    return st.st_size
+
+
+def _header_entry(key: str, meta: Any, data_len: int) -> TensorInfo:
+    """One validated header entry (ValueError naming what is wrong)."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"entry {key!r} is a JSON {type(meta).__name__}, not an object")
+    code, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(code, str):
+        raise ValueError(f"entry {key!r} has no dtype")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise ValueError(f"entry {key!r} has shape {shape!r}, not a list of non-negative ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise ValueError(f"entry {key!r} has data_offsets {offsets!r}, not [begin, end]")
+    nbytes = offsets[1] - offsets[0]
+    if offsets[1] > data_len:
+        raise ValueError(f"entry {key!r} ends at data offset {offsets[1]} but the file holds only "
+                         f"{data_len} data bytes (truncated?)")
+    if code in _ST_SIZES and nbytes != _numel(shape) * _ST_SIZES[code]:
+        raise ValueError(f"entry {key!r}: {nbytes} data bytes for shape {shape} of {code} "
+                         f"({_numel(shape) * _ST_SIZES[code]} expected)")
+    return TensorInfo(key=key, dtype=_ST_NAMES.get(code, code), shape=shape, nbytes=nbytes)
+
+
 def _inspect_safetensors(files: Sequence[Path]) -> list[TensorInfo]:
-    """Read only the JSON headers of safetensors files."""
+    """Read only the JSON headers of safetensors files, checking every entry against the file size."""
     out = []
     for f in files:
+        size = _regular(f)
         try:
             with open(f, "rb") as fh:
                 n = int.from_bytes(fh.read(8), "little")
-                if n <= 0 or n > 100 * 2**20:
-                    raise ValueError(f"header length {n}")
+                if size < 8 or n <= 0 or n > min(100 * 2**20, size - 8):
+                    raise ValueError(f"header length {n} does not fit in a {size}-byte file")
                 header = json.loads(fh.read(n))
-        except (OSError, ValueError) as e:
-            raise CLIError(f"{f} is not a readable safetensors file ({e})") from e
-        for key, meta in header.items():
-            if key == "__metadata__":
-                continue
-            code = meta["dtype"]
-            shape = list(meta["shape"])
-            nbytes = meta["data_offsets"][1] - meta["data_offsets"][0]
-            out.append(TensorInfo(key=key, dtype=_ST_NAMES.get(code, code), shape=shape, nbytes=nbytes))
+            if not isinstance(header, dict):
+                raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+            data_len = size - 8 - n
+            out += [_header_entry(k, m, data_len) for k, m in header.items() if k != "__metadata__"]
+        except (OSError, ValueError, RecursionError) as e:
+            what = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise CLIError(f"{f} is not a readable safetensors file ({what})") from e
     return out
 
 
 def _inspect_dcp(directory: Path) -> list[TensorInfo]:
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    from fsdptk._files.safe_pickle import safe_reader
 
     try:
-        meta = FileSystemReader(str(directory)).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any unreadable metadata is a bad path for the user
+        meta = safe_reader(directory).read_metadata()
+    except (OSError, ValueError) as e:  # CheckpointError: unsafe, corrupt, or a missing data file
         raise CLIError(f"{directory}/.metadata is not readable DCP metadata ({type(e).__name__}: {e})") from e
     out = []
     for key, md in meta.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
             out.append(TensorInfo(key=key, dtype="object", shape=[], nbytes=0))
             continue
-        dtype = md.properties.dtype
-        shape = list(md.size)
-        out.append(TensorInfo(key=key, dtype=_dtype_name(dtype), shape=shape,
-                              nbytes=_numel(shape) * dtype.itemsize))
+        try:
+            if not isinstance(md, TensorStorageMetadata):
+                raise TypeError(f"a {type(md).__name__}")
+            dtype = md.properties.dtype
+            shape = [int(d) for d in md.size]
+            nbytes = _numel(shape) * dtype.itemsize
+        except (AttributeError, TypeError, ValueError) as e:
+            raise CLIError(f"{directory}/.metadata: entry {key!r} is not tensor metadata ({e})") from e
+        out.append(TensorInfo(key=key, dtype=_dtype_name(dtype), shape=shape, nbytes=nbytes))
     return out
 
 
 def _inspect_torch_save(path: Path) -> list[TensorInfo]:
     import torch
 
-    try:
+    _regular(path)
+    try:  # weights_only: a torch.save file runs no code here
         obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:  # noqa: BLE001
-        raise CLIError(f"{path} is not a readable torch.save file ({type(e).__name__}: {e})") from e
+        raise CLIError(f"{path} is not a readable torch.save file ({type(e).__name__}: "
+                       f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from e
     out: list[TensorInfo] = []
 
     def walk(prefix: str, x: Any) -> None:
@@ -134,20 +180,40 @@ def _inspect_torch_save(path: Path) -> list[TensorInfo]:
     return out
 
 
+def _safetensors_files(path: Path) -> list[Path]:
+    """The files a safetensors checkpoint path reads, as the loader resolves them (the single
+    ``model.safetensors`` before an index; index entries must be plain names)."""
+    from fsdptk._files.paths import plain_name
+    from fsdptk._safetensors_io import _resolve
+
+    try:
+        index, files = _resolve(path)
+        if index is None:
+            return files
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = [plain_name(v, what=f"index {str(index)!r} (key {k!r})") for k, v in weight_map.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise CLIError(f"{path}: {type(e).__name__}: {e}") from e
+    return [index.parent / n for n in dict.fromkeys(names)]
+
+
 def inspect_checkpoint(path: str | os.PathLike[str]) -> tuple[str, list[TensorInfo]]:
     """Describe a checkpoint's entries without loading tensor data (except for ``torch.save`` files,
-    which are memory-mapped).
+    which are memory-mapped and read with ``weights_only=True``). No code from the file runs, and
+    only regular files are opened.
 
     Args:
-        path: a ``.safetensors`` file; a directory with ``*.safetensors`` files; a DCP directory
-            (with ``.metadata``); or a ``torch.save`` file (``.pt``/``.pth``/``.bin``).
+        path: a ``.safetensors`` file or index; a directory with ``*.safetensors`` files (resolved as
+            the loader does: ``model.safetensors``, else the index, else every file); a DCP
+            directory (with ``.metadata``); or a ``torch.save`` file (``.pt``/``.pth``/``.bin``).
 
     Returns:
         tuple[str, list[TensorInfo]]: the detected format (``"safetensors"``, ``"dcp"`` or
         ``"torch"``) and one entry per tensor, in file order.
 
     Raises:
-        CLIError: when the path does not exist or holds no recognisable checkpoint.
+        CLIError: when the path does not exist, holds no recognisable checkpoint, or is corrupt
+            (a header entry outside the file, unsafe DCP metadata, a missing data file, ...).
 
     Example:
         >>> import tempfile, torch
@@ -162,14 +228,16 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> tuple[str, list[TensorIn
     if not p.exists():
         raise CLIError(f"no such file or directory: {p}")
     if p.is_dir():
-        if (p / ".metadata").is_file():
+        if os.path.lexists(p / ".metadata"):
             return "dcp", _inspect_dcp(p)
-        files = sorted(p.glob("*.safetensors"))
-        if files:
-            return "safetensors", _inspect_safetensors(files)
+        if any(p.glob("*.safetensors")) or any(p.glob("*.safetensors.index.json")):
+            return "safetensors", _inspect_safetensors(_safetensors_files(p))
         raise CLIError(f"{p} holds neither *.safetensors files nor a DCP .metadata file")
     if p.suffix == ".safetensors":
         return "safetensors", _inspect_safetensors([p])
+    if p.name.endswith(".safetensors.index.json"):
+        _regular(p)
+        return "safetensors", _inspect_safetensors(_safetensors_files(p))
     if p.suffix in {".pt", ".pth", ".bin"}:
         return "torch", _inspect_torch_save(p)
     raise CLIError(f"{p}: unknown checkpoint type (expected .safetensors, .pt/.pth/.bin or a directory)")
@@ -209,7 +277,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _load_factory(spec: str) -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise CLIError(f"model must be given as MODULE:FACTORY (e.g. examples.llama:tiny), got {spec!r}")
+        raise CLIError(f"model must be given as MODULE:FACTORY (e.g. examples.llama:tiny) or be a "
+                       f"Hugging Face checkpoint directory, got {spec!r}")
     if os.getcwd() not in sys.path:  # like `python -m`: modules of the current directory import
         sys.path.insert(0, os.getcwd())
     try:
@@ -226,30 +295,66 @@ def _load_factory(spec: str) -> Any:
     return obj
 
 
+def _one_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def _hf_plan_model(path: Path, kwargs: dict[str, Any], dtype: Any, trust_remote_code: bool) -> Any:
+    """An HF checkpoint directory (or config file) built on meta; every failure is one line."""
+    from fsdptk.hf import hf_meta_model
+
+    try:
+        return hf_meta_model(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds on a bad config
+        raise CLIError(f"cannot build a model from {path}: {_one_line(e)}") from e
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from fsdptk import describe_sharding, get_shard_conditions
-    from fsdptk.predicates import by_glob
+    from fsdptk.predicates import by_glob, no_split_modules
 
-    factory = _load_factory(args.model)
     try:
         kwargs = json.loads(args.kwargs)
     except json.JSONDecodeError as e:
         raise CLIError(f"--kwargs is not valid JSON ({e}): {args.kwargs!r}") from e
     if not isinstance(kwargs, dict):
         raise CLIError(f"--kwargs must be a JSON object, got {args.kwargs!r}")
-    with torch.device("meta"):
-        model = factory(**kwargs)
-    if not isinstance(model, torch.nn.Module):
-        raise CLIError(f"{args.model}(...) returned {type(model).__name__}, not an nn.Module")
-    conditions: list[Any] = [get_shard_conditions] if not args.no_layers else []
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    hf = Path(args.model).exists()  # an HF checkpoint directory (config.json) or a config file
+    if hf:
+        model = _hf_plan_model(Path(args.model), kwargs, dtype, args.trust_remote_code)
+    else:
+        factory = _load_factory(args.model)
+        with torch.device("meta"):
+            model = factory(**kwargs)
+        if not isinstance(model, torch.nn.Module):
+            raise CLIError(f"{args.model}(...) returned {type(model).__name__}, not an nn.Module")
+        if dtype is not None:
+            model = model.to(dtype)
+    conditions: list[Any] = []
+    if not args.no_layers:
+        try:
+            conditions.append(no_split_modules(model) if hf else get_shard_conditions)
+        except ValueError as e:
+            raise CLIError(f"{e}; or pass --no-layers --glob PATTERN") from e
     if args.glob:
         conditions.append(by_glob(*args.glob))
     if not conditions:
         raise CLIError("no shard condition: drop --no-layers or give --glob PATTERN")
     try:
-        plan = describe_sharding(model, conditions, world_size=args.world_size)
+        if args.tp > 1:  # the model's own TP plan, then FSDP over world_size // tp ranks
+            if not hf:
+                raise ValueError("--tp needs a Hugging Face checkpoint directory (its own TP plan)")
+            from fsdptk._hf_tp import describe_hf_2d
+
+            plan = describe_hf_2d(model, conditions, world_size=args.world_size, tp=args.tp)
+            print(f"Tensor parallel: tp {args.tp} x dp_shard {args.world_size // args.tp} "
+                  f"(the model's own tp_plan); bytes/rank is one rank's TP shard, FSDP-sharded")
+        else:
+            plan = describe_sharding(model, conditions, world_size=args.world_size)
     except ValueError as e:
         raise CLIError(str(e)) from e
     print(plan)
@@ -261,9 +366,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from fsdptk import checkpoint as ckpt
 
+    from fsdptk._files.paths import check_disjoint
+
     src, dst = Path(args.src), Path(args.dst)
     if not src.exists():
         raise CLIError(f"no such file or directory: {src}")
+    try:
+        check_disjoint(src, dst)  # the destination is replaced as a whole: never over the source
+    except ValueError as e:
+        raise CLIError(str(e)) from e
     to = args.to
     if to is None:
         to = "safetensors" if (src.is_dir() and (src / ".metadata").is_file()) else "dcp"
@@ -316,12 +427,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("plan", help="dry-run sharding report of a model for a world size")
-    p.add_argument("model", help="MODULE:FACTORY, called on the meta device (e.g. examples.llama:tiny)")
+    p.add_argument("model", help="MODULE:FACTORY, called on the meta device (e.g. examples.llama:tiny), "
+                                 "or a Hugging Face checkpoint directory with config.json")
     p.add_argument("--world-size", type=int, required=True, help="ranks each parameter is sharded over")
-    p.add_argument("--kwargs", default="{}", help="JSON object of keyword arguments for FACTORY")
+    p.add_argument("--kwargs", default="{}",
+                   help="JSON object of keyword arguments for FACTORY, or of config overrides for a "
+                        "checkpoint directory (e.g. '{\"num_hidden_layers\": 4}')")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="parameter dtype (default: the factory's, or the config's dtype)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow a checkpoint directory's own model code (transformers' option)")
     p.add_argument("--glob", action="append", default=[], metavar="PATTERN",
                    help="also make modules whose FQN matches PATTERN units (repeatable)")
-    p.add_argument("--no-layers", action="store_true", help="do not use the default `layers.<i>` rule")
+    p.add_argument("--no-layers", action="store_true",
+                   help="do not use the default rule (`layers.<i>`, or a checkpoint directory's "
+                        "_no_split_modules classes)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel degree for a checkpoint directory: apply its own tp_plan "
+                        "(fsdptk.hf_tp_plan), then FSDP over world-size / N ranks")
 
     p = sub.add_parser("inspect", help="keys, shapes, dtypes and size of a checkpoint")
     p.add_argument("path", help=".safetensors file, directory of them, DCP directory, or .pt file")
@@ -355,7 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: arguments without the program name (``None``: ``sys.argv[1:]``).
 
     Returns:
-        int: the exit code (0 ok, 1 bad path or failure, 2 bad arguments).
+        int: the exit code (0 ok, 1 bad path or failure, 2 bad arguments). Any error, expected or
+        not, is one line on stderr (``fsdptk <command>: error: ...``), never a traceback.
 
     Example:
         >>> from fsdptk.cli import main
@@ -370,6 +494,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         if args.command == "plan" and args.world_size < 1:
             parser.error(f"argument --world-size: must be >= 1, got {args.world_size}")
+        if args.command == "plan" and args.tp < 1:
+            parser.error(f"argument --tp: must be >= 1, got {args.tp}")
         if args.command == "demo" and args.nproc < 1:
             parser.error(f"argument --nproc: must be >= 1, got {args.nproc}")
     except SystemExit as e:  # argparse: 2 for bad arguments, 0 for --help
@@ -387,6 +513,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BrokenPipeError:  # `fsdptk inspect ... | head`
         return 0
+    except KeyboardInterrupt:
+        print(f"fsdptk {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (SystemExit, GeneratorExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - never a traceback for bad input or a bad file
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        print(f"fsdptk {args.command}: error: {type(e).__name__}: {lines[0] if lines else ''}",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

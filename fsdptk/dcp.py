@@ -2,15 +2,20 @@
 
 - :func:`save_dcp` / :func:`load_dcp`: model + optimizer + extra state in one DCP directory, thin
   over ``torch.distributed.checkpoint`` and its ``state_dict`` API (each rank writes and reads its
-  own shards; a different world size or mesh on load is resharded by DCP). The directory is written
-  under a temporary name and swapped in at the end, so a failed save leaves the previous one.
+  own shards; a different world size or mesh on load is resharded by DCP). The directory is staged
+  under a unique hidden name beside ``path``, with ``path``'s lock held, and swapped in at the end
+  (:mod:`fsdptk._files.commit`), so a failed or killed save leaves the previous one loadable.
+- Reading runs no code from the checkpoint: ``.metadata`` is unpickled by an unpickler that builds
+  only DCP metadata types, and non-tensor values (``extra``, optimizer hyper-parameters) are read
+  with ``torch.load(weights_only=True)`` (:mod:`fsdptk._files.safe_pickle`).
 - :func:`dcp_to_safetensors` / :func:`safetensors_to_dcp`: offline, single process, memory-bounded
   (a bounded batch of tensors in memory at a time) converters between a DCP directory and a
   Hugging Face safetensors directory. ``python -m fsdptk convert`` calls them.
 
 Layout of a DCP checkpoint written here: the model state under ``model.<fqn>``, the optimizer
 state (``get_optimizer_state_dict`` layout, keyed by parameter FQN) under ``optim.``, and the extra
-state as one pickled object under ``extra``.
+state as one ``torch.save`` blob under ``extra`` (plain data only: it is read back with
+``weights_only=True``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import io
 import os
 import shutil
+import uuid
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -27,6 +33,10 @@ import torch
 from torch import nn
 
 from fsdptk._checkpoint_common import _world, progress_bar, run_agreed, trim_heap
+from fsdptk._files.commit import dcp_backup, dcp_names, recover_dcp, swap_in_dcp
+from fsdptk._files.lock import DirectoryLock
+from fsdptk._files.paths import check_disjoint
+from fsdptk._files.safe_pickle import safe_load_planner, safe_reader
 from fsdptk._safetensors_io import CheckpointError, SafetensorsCheckpoint, parse_size
 from fsdptk._safetensors_writer import ShardedWriter
 
@@ -43,40 +53,102 @@ PathLike = str | os.PathLike[str]
 _BATCH_BYTES = 256 * 2**20  # converters: tensor bytes read per DCP load call
 
 
-def _tmp_dir(path: Path, tag: str) -> Path:
-    return path.parent / f".{path.name}.{tag}"
+class _Staging:
+    """Rank 0's side of writing a DCP directory: ``path``'s lock, recovery of what a killed save
+    left, a staging directory unique to this save, and the swap at the end."""
+
+    def __init__(self, path: Path) -> None:
+        if path.exists() and not path.is_dir():
+            raise NotADirectoryError(f"checkpoint target {str(path)!r} exists and is not a directory")
+        names = dcp_names(path)
+        self.path = path
+        self.stage = path.parent / f"{names['stage']}{uuid.uuid4().hex[:12]}"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.lock = DirectoryLock(path.parent / names["lock"], path)
+            self.lock.acquire()
+        except OSError as e:
+            if isinstance(e, BlockingIOError):
+                raise
+            raise type(e)(e.errno, f"cannot write checkpoint {str(path)!r} (staging in "
+                                   f"{str(self.stage)!r}): {e.strerror}") from e
+        try:
+            recover_dcp(path)
+            self.stage.mkdir()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def commit(self) -> None:
+        """Swap the staged directory in (crash-safe) and release the lock."""
+        try:
+            swap_in_dcp(self.stage, self.path, self.stage.name.rsplit("-", 1)[1])
+        except BaseException:
+            recover_dcp(self.path)  # put the previous checkpoint back, drop the staging directory
+            raise
+        finally:
+            self.lock.release()
+
+    def abort(self) -> None:
+        """Delete the staging directory and release the lock (``path`` untouched)."""
+        try:
+            shutil.rmtree(self.stage, ignore_errors=True)
+        finally:
+            self.lock.release()
 
 
-def _prepare_dir(path: Path) -> Path:
-    """Create an empty staging directory beside ``path`` (which may not be a file)."""
-    if path.exists() and not path.is_dir():
-        raise NotADirectoryError(f"checkpoint target {str(path)!r} exists and is not a directory")
-    tmp = _tmp_dir(path, "dcp-tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    except OSError as e:
-        raise type(e)(e.errno, f"cannot write checkpoint {str(path)!r} (staging in {str(tmp)!r}): "
-                               f"{e.strerror}") from e
-    return tmp
+def _begin_staging(path: Path) -> tuple[_Staging | None, Path]:
+    """Every rank: rank 0 takes the lock and stages; all agree on errors and on the staging name."""
+    from fsdptk.runtime import all_gather_object
+
+    rank = _world()[1]
+    staging: _Staging | None = run_agreed(lambda: _Staging(path), on=rank == 0)
+    return staging, Path(all_gather_object(str(staging.stage) if staging else None)[0])
 
 
-def _swap_in(tmp: Path, path: Path) -> None:
-    """Replace ``path`` by ``tmp`` (the old directory is removed only once the new one is there)."""
-    old = _tmp_dir(path, "dcp-old")
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
-        os.rename(path, old)
-    os.rename(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+def _readable_dir(path: Path) -> Path:
+    """``path``, or the backup a save killed between its two renames left (``path`` missing)."""
+    backup = dcp_backup(path)
+    return backup if backup is not None else path
 
 
 def _quiet_dcp(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Call a DCP entry point without its warnings; its ``CheckpointException`` (a BaseException
+    whose message is a traceback) becomes the lowest failing rank's own exception, on every rank."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-        return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except CheckpointException as e:
+            failures = getattr(e, "failures", None) or {}
+            if not failures:
+                raise
+            rank = min(failures)
+            exc = failures[rank][0]
+            if not isinstance(exc, Exception):
+                raise
+            if _world()[0] > 1:
+                exc.add_note(f"(raised on rank {rank} inside torch.distributed.checkpoint)")
+            raise exc from None
+
+
+def _extra_blob(extra: Any) -> io.BytesIO:
+    """``extra`` as a ``torch.save`` blob, checked to load back with ``weights_only=True``."""
+    blob = io.BytesIO()
+    try:
+        torch.save(extra, blob)
+        torch.load(io.BytesIO(blob.getvalue()), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any refusal means load_dcp could not read it back
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        detail = next((ln for ln in lines if "Unsupported global" in ln), lines[0] if lines else "")
+        raise TypeError("extra must hold only tensors, numbers, strings, bools, None and lists, tuples "
+                        "and dicts of them (load_dcp reads it with torch.load(weights_only=True), which "
+                        f"runs no code from the file); {type(e).__name__}: {detail}") from None
+    blob.seek(0)
+    return blob
 
 
 def _dist_kwargs() -> dict[str, Any]:
@@ -102,20 +174,31 @@ def save_dcp(
 
     Each rank writes its own shards (no gather). The state is taken with
     ``torch.distributed.checkpoint.state_dict.get_state_dict``, so it can be loaded back at another
-    world size or mesh. The checkpoint is staged in a hidden sibling directory and renamed to
-    ``path`` at the end; a failed save leaves any previous ``path`` intact. ``path`` must be on a
-    filesystem every rank sees, and is replaced as a whole.
+    world size or mesh. ``path`` must be on a filesystem every rank sees, and is replaced as a whole.
+
+    Crash safety: rank 0 takes the lock ``.<name>.fsdptk.lock`` beside ``path`` (a second writer
+    fails at once), finishes or cleans what a killed save left, and the checkpoint is staged in
+    ``.<name>.fsdptk-stage-<token>`` (unique per save). At the end the staging directory and
+    ``path`` are swapped atomically (``renameat2(RENAME_EXCHANGE)``); where the filesystem cannot,
+    ``path`` is renamed to ``.<name>.fsdptk-old-<token>`` first, and a save killed between the two
+    renames leaves that backup, which :func:`load_dcp` reads and the next save renames back. A
+    failed save deletes its staging directory and leaves ``path`` as it was.
 
     Args:
         path: the checkpoint directory.
         model: the (sharded) model.
         optimizer: its optimizer, if its state is to be saved.
-        extra: picklable extra state (step, data loader position, RNG states, ...).
+        extra: plain extra state (step, data loader position, ``torch.get_rng_state()``, ...):
+            tensors, numbers, strings, bools, None, and lists, tuples and dicts of them (it is read
+            back with ``torch.load(weights_only=True)``).
 
     Returns:
         Path: ``path``.
 
     Raises:
+        TypeError: ``extra`` holds other objects (e.g. a numpy array), on every rank.
+        CheckpointLockedError: another writer holds ``path``'s lock (a ``BlockingIOError`` naming
+            its pid, host and start time), on every rank.
         OSError: the directory cannot be written (on every rank).
 
     Example:
@@ -131,29 +214,41 @@ def save_dcp(
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     path = Path(path)
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {"model": msd, "optim": osd}
-    else:
-        state = {"model": get_model_state_dict(model)}
+    # local steps between collectives: a failure on one rank is raised on every rank
+    state: dict[str, Any] = run_agreed(lambda: _take_state(model, optimizer, get_state_dict,
+                                                           get_model_state_dict))
     if extra is not None:
-        blob = io.BytesIO()
-        torch.save(extra, blob)
-        blob.seek(0)
-        state["extra"] = blob
-    rank = _world()[1]
-    tmp = run_agreed(lambda: _prepare_dir(path), on=rank == 0) or _tmp_dir(path, "dcp-tmp")
-    _quiet_dcp(dcp.save, state, storage_writer=dcp.FileSystemWriter(str(tmp)), **_dist_kwargs())
-    run_agreed(lambda: _swap_in(tmp, path), on=rank == 0)
+        state["extra"] = run_agreed(lambda: _extra_blob(extra))
+    staging, stage = _begin_staging(path)
+    try:
+        _quiet_dcp(dcp.save, state, storage_writer=dcp.FileSystemWriter(str(stage)), **_dist_kwargs())
+    except BaseException:
+        if staging is not None:
+            staging.abort()
+        raise
+    run_agreed(lambda: staging.commit(), on=staging is not None)
     return path
 
 
-def _dcp_keys(path: Path) -> dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
+def _take_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, get_state_dict: Any,
+                get_model_state_dict: Any) -> dict[str, Any]:
+    """DCP's (sharded) state of the model and optimizer, as ``{"model": ..., "optim": ...}``."""
+    if optimizer is not None:
+        msd, osd = get_state_dict(model, optimizer)
+        return {"model": msd, "optim": osd}
+    return {"model": get_model_state_dict(model)}
 
-    if not (path / ".metadata").is_file():
+
+def _dcp_keys(path: Path) -> dict[str, Any]:
+    """The entries of a DCP directory's metadata, read safely; its data files checked to exist."""
+    if not os.path.lexists(path / ".metadata"):
         raise FileNotFoundError(f"{str(path)!r} is not a DCP checkpoint directory (no .metadata)")
-    return dict(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    return dict(safe_reader(path).read_metadata().state_dict_metadata)
+
+
+def _readable_keys(path: Path) -> tuple[Path, dict[str, Any]]:
+    readable = _readable_dir(path)
+    return readable, _dcp_keys(readable)
 
 
 def load_dcp(
@@ -166,11 +261,16 @@ def load_dcp(
     """Load a checkpoint written by :func:`save_dcp` into a (sharded) model and optimizer.
 
     Every rank calls it; each reads only the pieces of its own shards (DCP reshards when the world
-    size or mesh differs from the save).
+    size or mesh differs from the save). No code from the files runs: ``.metadata`` is unpickled
+    with an allow-list of DCP metadata types, ``extra`` and other non-tensor values with
+    ``torch.load(weights_only=True)``. If a save was killed between its two renames (``path``
+    missing), the previous checkpoint is read from its backup beside ``path``.
 
     Args:
         path: the checkpoint directory.
-        model: the model, sharded as it will be trained (materialised, not on ``meta``).
+        model: the model, sharded as it will be trained (materialised, not on ``meta``: use
+            :func:`fsdptk.materialize`, never a bare ``to_empty``, whose non-persistent buffers
+            would hold uninitialised memory that no checkpoint restores).
         optimizer: the optimizer to restore (its state must be in the checkpoint).
         strict: every model key must be in the checkpoint and vice versa.
 
@@ -178,8 +278,11 @@ def load_dcp(
         dict: the ``extra`` state given to :func:`save_dcp` (``{}`` if none).
 
     Raises:
-        FileNotFoundError: ``path`` is not a DCP directory (every rank).
-        CheckpointError: an optimizer is given but the checkpoint has no optimizer state.
+        FileNotFoundError: ``path`` is not a DCP directory, or a data file it names is missing
+            (every rank).
+        CheckpointError: an optimizer is given but the checkpoint has no optimizer state; the
+            metadata holds types other than DCP metadata, names a data file outside the directory
+            or one that is not a regular file; a non-tensor value is not plain data.
 
     Example:
         See :func:`save_dcp`.
@@ -193,33 +296,26 @@ def load_dcp(
         set_state_dict,
     )
 
-    path = Path(path)
-    keys = run_agreed(lambda: _dcp_keys(path))
+    path, keys = run_agreed(lambda: _readable_keys(Path(path)))
     has_optim = any(k.startswith("optim.") for k in keys)
     if optimizer is not None and not has_optim:
         raise CheckpointError(f"{str(path)!r} holds no optimizer state (no 'optim.*' entries); "
                               "pass optimizer=None or load another checkpoint")
     options = StateDictOptions(strict=strict)
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
-        state: dict[str, Any] = {"model": msd, "optim": osd}
-    else:
-        state = {"model": get_model_state_dict(model)}
+    # local steps between collectives: a failure on one rank is raised on every rank
+    state: dict[str, Any] = run_agreed(lambda: _take_state(model, optimizer, get_state_dict,
+                                                           get_model_state_dict))
     if "extra" in keys:
         state["extra"] = io.BytesIO()
-    planner = dcp.DefaultLoadPlanner(allow_partial_load=not strict)
-    _quiet_dcp(dcp.load, state, storage_reader=dcp.FileSystemReader(str(path)), planner=planner,
-               **_dist_kwargs())
+    _quiet_dcp(dcp.load, state, storage_reader=safe_reader(path),
+               planner=safe_load_planner(allow_partial_load=not strict), **_dist_kwargs())
     if optimizer is not None:
-        set_state_dict(model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=options)
+        run_agreed(lambda: set_state_dict(model, optimizer, model_state_dict=state["model"],
+                                          optim_state_dict=state["optim"], options=options))
     else:
-        set_model_state_dict(model, state["model"], options=options)
-    extra = state.get("extra")
-    if isinstance(extra, io.BytesIO):
-        extra.seek(0)
-        extra = torch.load(extra, weights_only=False) if extra.getbuffer().nbytes else {}
-    return extra if extra is not None else {}
+        run_agreed(lambda: set_model_state_dict(model, state["model"], options=options))
+    extra = state.get("extra")  # the safe planner has read it (weights_only=True)
+    return {} if extra is None or isinstance(extra, io.BytesIO) else extra
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,9 +380,11 @@ def dcp_to_safetensors(
         Path: the index file, or the single ``model.safetensors``.
 
     Raises:
-        FileNotFoundError: ``src`` is not a DCP directory.
-        CheckpointError: no tensor under ``prefix``.
-        OSError: ``dst`` cannot be written (nothing of the new checkpoint is left behind).
+        ValueError: ``dst`` is ``src``, inside it, or contains it.
+        FileNotFoundError: ``src`` is not a DCP directory, or a data file is missing.
+        CheckpointError: no tensor under ``prefix``; unsafe or corrupt metadata.
+        OSError: ``dst`` cannot be written or another writer holds its lock (nothing of the new
+            checkpoint is left behind).
 
     Example:
         >>> import tempfile, torch
@@ -301,6 +399,8 @@ def dcp_to_safetensors(
     import torch.distributed.checkpoint as dcp
 
     src, dst = Path(src), Path(dst)
+    check_disjoint(src, dst)
+    src = _readable_dir(src)
     meta = _dcp_keys(src)
     names = _tensor_keys(meta, prefix, src)
     stored = {k: meta[v].properties.dtype for k, v in names.items()}
@@ -309,13 +409,13 @@ def dcp_to_safetensors(
     entries = [(k, out_dtype[k], shapes[k]) for k in names]
     writer = ShardedWriter(dst, entries, max_shard_size=max_shard_size)
     nbytes = {k: torch.Size(shapes[k]).numel() * stored[k].itemsize for k in names}
-    reader = dcp.FileSystemReader(str(src))
+    reader = safe_reader(src)
     try:
         with progress_bar(writer.total_size, f"convert {src.name}", progress) as bar:
             for batch in _batches(list(names), nbytes, min(_BATCH_BYTES, parse_size(max_shard_size))):
                 sd = {names[k]: torch.empty(shapes[k], dtype=stored[k]) for k in batch}
                 _quiet_dcp(dcp.load, sd, storage_reader=reader,
-                           planner=dcp.DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+                           planner=safe_load_planner(allow_partial_load=True), no_dist=True)
                 for k in batch:
                     bar.update(writer.write(k, sd.pop(names[k]).to(out_dtype[k])))
                 trim_heap()
@@ -357,7 +457,7 @@ def safetensors_to_dcp(
 
     Args:
         src: a ``.safetensors`` file, an index, or an HF checkpoint directory.
-        dst: the DCP directory to write (replaced as a whole, atomically).
+        dst: the DCP directory to write (replaced as a whole, crash-safe as :func:`save_dcp`).
         prefix: prepended to every key (``"model."`` matches :func:`save_dcp`; ``""`` for none).
         progress: tqdm bar of bytes (``None``: only on a terminal).
 
@@ -365,8 +465,9 @@ def safetensors_to_dcp(
         Path: ``dst``.
 
     Raises:
+        ValueError: ``dst`` is ``src``, inside it, or contains it.
         FileNotFoundError, CheckpointError: ``src`` missing, corrupt or inconsistent.
-        OSError: ``dst`` cannot be written.
+        OSError: ``dst`` cannot be written, or another writer holds its lock.
 
     Example:
         >>> import tempfile, torch
@@ -384,19 +485,20 @@ def safetensors_to_dcp(
     import torch.distributed.checkpoint as dcp
 
     src, dst = Path(src), Path(dst)
+    check_disjoint(src, dst)
     with SafetensorsCheckpoint(src) as ckpt:
         meta_sd = {prefix + k: torch.empty(ckpt.shape(k), dtype=ckpt.dtype(k), device="meta")
                    for k in ckpt}
-        tmp = _prepare_dir(dst)
+        staging = _Staging(dst)
         try:
             with progress_bar(ckpt.total_size, f"convert {src.name}", progress) as bar:
                 _quiet_dcp(dcp.save, meta_sd,
-                           storage_writer=dcp.FileSystemWriter(str(tmp), thread_count=1),
+                           storage_writer=dcp.FileSystemWriter(str(staging.stage), thread_count=1),
                            planner=_lazy_planner(ckpt, prefix, bar), no_dist=True)
-            _swap_in(tmp, dst)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            staging.abort()
             raise
+        staging.commit()
     return dst
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdptk import _engine
-from fsdptk.runtime import all_gather_object
+from fsdptk.runtime import agreed, all_gather_object, check_type
 from fsdptk._engine import DEFAULT_BUCKET_BYTES
 from fsdptk._optim_layout import (PARAMS, PG, STATE, LoadView, StateSource, local_osd, optim_groups, param_fqns,
                                   plan_load, to_fqn_layout)
@@ -42,9 +42,24 @@ __all__ = [
 # gather
 
 
+def _check_args(model: Any, opt: Any) -> None:
+    check_type(model, nn.Module, "model", "a torch.nn.Module")
+    check_type(opt, torch.optim.Optimizer, "opt", "a torch.optim.Optimizer")
+
+
+def _agreed_layout(model: nn.Module, opt: torch.optim.Optimizer
+                   ) -> tuple[list[tuple[str, Any, Any]], list[dict[str, Any]]]:
+    """:func:`_gather_layout`, with a failure on any rank raised on every rank (collective)."""
+    with agreed():
+        _check_args(model, opt)
+        layout = _gather_layout(model, opt)
+    return layout
+
+
 def _gather_layout(model: nn.Module, opt: torch.optim.Optimizer
                    ) -> tuple[list[tuple[str, Any, Any]], list[dict[str, Any]]]:
     """``[(fqn, key, live value), ...]`` in ``opt.state_dict()`` order, and the FQN param groups."""
+    _check_args(model, opt)
     ours = optim_groups(model, opt)
     osd = opt.state_dict()
     pid_fqn = {pid: fqn for saved, group in zip(osd[PG], ours)
@@ -112,6 +127,9 @@ def iter_full_optimizer_state(
     Raises:
         ValueError: on every rank, when the optimizer holds a parameter the model lacks, a state
             tensor is on ``meta`` or the ranks' states differ in keys, shapes or dtypes.
+        TypeError: on every rank, when ``model`` or ``opt`` has the wrong type (named).
+        Exception: any rank's failure while gathering (or the caller's, passed in with
+            ``iterator.throw(exc)``), on every rank, naming that rank.
 
     Example:
         >>> import torch
@@ -122,7 +140,7 @@ def iter_full_optimizer_state(
         >>> [(fqn, sorted(st)) for bucket in iter_full_optimizer_state(model, opt) for fqn, st in bucket]
         [('weight', ['exp_avg', 'exp_avg_sq', 'step']), ('bias', ['exp_avg', 'exp_avg_sq', 'step'])]
     """
-    yield from _iter_state(_gather_layout(model, opt)[0], bucket_bytes)
+    yield from _iter_state(_agreed_layout(model, opt)[0], bucket_bytes)
 
 
 def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int
@@ -152,9 +170,17 @@ def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int
         return done
 
     arrived: dict[str, torch.Tensor] = {}
-    for bucket in _engine.collect(items, bucket_bytes=bucket_bytes):
-        arrived.update(bucket)
-        yield advance(arrived) if rank0 else []
+    buckets = _engine.collect(items, bucket_bytes=bucket_bytes)
+    for bucket in buckets:
+        try:
+            arrived.update(bucket)
+            done = advance(arrived) if rank0 else []
+        except Exception as e:  # noqa: BLE001 - agreed by the engine: every rank raises it
+            buckets.throw(e)
+        try:
+            yield done
+        except Exception as e:  # noqa: BLE001 - the caller's .throw(e), agreed likewise
+            buckets.throw(e)
     if rank0 and cursor < len(entries):  # trailing non-tensor values
         yield advance(arrived)
 
@@ -192,6 +218,7 @@ def get_full_optimizer_state_dict(
     Raises:
         ValueError: on every rank, when the optimizer holds a parameter the model lacks (e.g. it
             was created before sharding), or the ranks' states differ.
+        TypeError: on every rank, when ``model`` or ``opt`` has the wrong type (named).
 
     Example:
         >>> import torch
@@ -204,7 +231,7 @@ def get_full_optimizer_state_dict(
         (['weight', 'bias'], ['weight', 'bias'], tensor([1., 1., 1.]))
     """
     del device
-    entries, groups = _gather_layout(model, opt)
+    entries, groups = _agreed_layout(model, opt)
     state: dict[str, dict[str, Any]] = {}
     for bucket in _iter_state(entries, bucket_bytes):
         state.update(bucket)
@@ -295,8 +322,11 @@ def _check_strict(view: LoadView, aliases: Mapping[str, str]) -> None:
 
 
 def _state_device(ours: list[list[tuple[str, torch.Tensor]]], device: torch.device) -> torch.device:
-    """The parameters' own device when they share one (CPU offload: CPU), else ``device``."""
-    devices = {p.device for group in ours for _, p in group}
+    """The parameters' own device when they share one (CPU offload: CPU), else ``device``.
+
+    A DTensor's local tensor decides (where its bytes are): FSDP2's CPU offload can leave a
+    DTensor whose metadata device differs from its local tensor's."""
+    devices = {getattr(p, "_local_tensor", p).device for group in ours for _, p in group}
     if len(devices) == 1 and next(iter(devices)).type != "meta":
         return next(iter(devices))
     return device
@@ -356,7 +386,10 @@ def load_from_full_optimizer_state_dict(
             the model lacks or a parameter with no saved entry (``strict``), a state tensor whose
             shape differs from its parameter's (key and both shapes), an optimizer group whose
             parameters come from several saved groups, states that differ between ranks.
-        TypeError: on every rank, when a state value that must be a tensor is not one.
+        TypeError: on every rank, when a state value that must be a tensor is not one, or an
+            argument has the wrong type (``model``, ``opt``, ``full_sd``: named with its type).
+        Exception: a failure on any rank while the state moves, on every rank, naming that rank;
+            the optimizer is changed only once every rank has all of its state.
 
     Example:
         >>> import torch
@@ -372,11 +405,15 @@ def load_from_full_optimizer_state_dict(
         >>> opt2.param_groups[0]["lr"], torch.equal(opt2.state[b]["exp_avg"], opt.state[b]["exp_avg"])
         (0.001, True)
     """
-    device = torch.device(device)
     rank = _engine._world()[1]
-    ours = optim_groups(model, opt)
     reads = rank == 0 or not broadcast_from_rank0
-    view, saved = plan_load(model, ours, full_sd, param_names) if reads else (None, {})
+    with agreed():  # a bad argument or input on any rank is raised on every rank
+        _check_args(model, opt)
+        if reads:
+            check_type(full_sd, Mapping, "full_sd", "a Mapping (a full optimizer state dict)")
+        device = torch.device(device)
+        ours = optim_groups(model, opt)
+        view, saved = plan_load(model, ours, full_sd, param_names) if reads else (None, {})
     view = _agree_view(view, broadcast_from_rank0)
     if strict:
         _check_strict(view, param_fqns(model)[1])
@@ -384,8 +421,10 @@ def load_from_full_optimizer_state_dict(
     source = StateSource(saved, view.tensors)  # per-parameter dicts are the caller's (release)
     targets = [(name, params[fqn]) for name, fqn, _ in view.tensors]
     plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0, cast=False)
-    # validation is over on every rank: from here on state moves and the optimizer changes
+    # validation is over on every rank: from here on state moves (agreed per bucket by the engine)
     local = dict(_engine.distribute(plan, source, device=_state_device(ours, device), release=release_sd,
                                     bucket_bytes=bucket_bytes))
-    opt.load_state_dict(local_osd(opt, ours, view, local))
+    with agreed():  # the optimizer changes only once every rank has built its new state
+        new_osd = local_osd(opt, ours, view, local)
+    opt.load_state_dict(new_osd)
     return _IncompatibleKeys(list(view.missing), list(view.unexpected))

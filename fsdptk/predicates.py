@@ -42,6 +42,7 @@ __all__ = [
     "any_of",
     "all_of",
     "not_",
+    "no_split_modules",
     "clean_fqn",
     "describe_predicate",
 ]
@@ -207,6 +208,11 @@ def _types(types: tuple[type, ...], name: str, module: nn.Module) -> bool:
     return isinstance(module, types)
 
 
+def _class_names(names: frozenset[str], name: str, module: nn.Module) -> bool:
+    # by name over the MRO: subclasses match (as isinstance), and so do FSDP2's ``FSDP<Cls>`` classes
+    return any(c.__name__ in names for c in type(module).__mro__)
+
+
 def _layers(containers: frozenset[str], name: str, module: nn.Module) -> bool:
     parts = name.split(".")
     return len(parts) >= 2 and parts[-2] in containers and parts[-1].isdigit()
@@ -317,6 +323,67 @@ def layers(*containers: str) -> Predicate:
     """
     flat = _flat_strings(containers or ("layers",), "layers")
     return Predicate(partial(_layers, frozenset(flat)), f"layers({_args(flat)})")
+
+
+def _declared_no_split(model: nn.Module) -> list[str]:
+    """Class names in ``_no_split_modules`` over the model's sub-models, sorted (transformers' walk:
+    every sub-model's declaration counts; no descent into a module whose class is declared)."""
+    found: set[str] = set()
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if type(module).__name__ in found:
+            continue
+        declared = getattr(module, "_no_split_modules", None)
+        if declared:
+            found.update([declared] if isinstance(declared, str) else declared)
+        stack.extend(module.children())
+    return sorted(found)
+
+
+def no_split_modules(model: nn.Module) -> Predicate:
+    """Match the classes a model declares in ``_no_split_modules`` (its decoder layers): the FSDP
+    units that transformers / accelerate pick for auto-wrapping.
+
+    The names are gathered over the model's sub-models (as transformers does) and matched against
+    the class names of each module's type and its bases, so subclasses and the ``FSDP<Class>``
+    types that ``fully_shard`` creates match too. The predicate only holds the
+    names: it is picklable and can be built on one rank's (meta) model and used on another's.
+
+    Args:
+        model: the model, usually a transformers ``PreTrainedModel`` built on ``meta``.
+
+    Returns:
+        Predicate: ``no_split_modules(LlamaDecoderLayer)``.
+
+    Raises:
+        TypeError: when ``model`` is not an ``nn.Module``.
+        ValueError: when the model declares no ``_no_split_modules``, or declares classes of which
+            it holds no instance (both messages name the model's class).
+
+    Example:
+        >>> from torch import nn
+        >>> class Block(nn.Linear): ...
+        >>> class Net(nn.Sequential):
+        ...     _no_split_modules = ["Block"]
+        >>> cond = no_split_modules(Net(Block(2, 2), nn.ReLU()))
+        >>> cond, cond("0", Block(2, 2)), cond("1", nn.ReLU())
+        (no_split_modules(Block), True, False)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"no_split_modules expects the model (an nn.Module), got "
+                        f"{type(model).__name__}")
+    names = _declared_no_split(model)
+    kind = type(model).__name__
+    if not names:
+        raise ValueError(
+            f"{kind} declares no _no_split_modules (nor does any of its sub-models): name its "
+            "repeated blocks instead, e.g. fsdptk.predicates.by_type(DecoderLayer) or layers()")
+    test = partial(_class_names, frozenset(names))
+    if not any(test(n, m) for n, m in model.named_modules() if n):
+        raise ValueError(f"{kind} declares _no_split_modules {names} but holds no module of those "
+                         "classes: pass the classes of its repeated blocks with by_type(...)")
+    return Predicate(test, f"no_split_modules({', '.join(names)})")
 
 
 def _check_callable(preds: tuple[Any, ...], what: str) -> None:

@@ -134,7 +134,12 @@ def shard_model(
 ) -> ShardingPlan:
     """Apply FSDP2 ``fully_shard`` to every module a condition matches (bottom-up), then the root.
 
-    A drop-in for torchtune's ``shard_model`` (same positional arguments and flags) that also:
+    A drop-in for torchtune's ``shard_model`` (same positional arguments and flags, the same
+    units and the same ``reshard_after_forward`` for every unit, the root included: torchtune 0.6.1
+    passes its value to the root's ``fully_shard`` explicitly, and FSDP2 (torch 2.13) overrides
+    the root's value only when none is given, so with ``True`` the root's parameters are
+    resharded after forward too; ``tests_peers/test_tt_parity.py`` checks this against
+    torchtune) that also:
     groups modules sharing a parameter (tied embeddings) into one unit, or leaves the parameter to
     their common parent, so the tie survives (one Parameter, stepped once); sets explicit prefetch;
     validates everything before sharding anything; returns the plan it applied.
@@ -162,11 +167,12 @@ def shard_model(
             (0: FSDP2's default implicit prefetch of one).
         shard_placement_fn: passed to ``fully_shard`` (per-parameter shard dim).
         root_reshard_after_forward: the root unit's policy. ``None`` (default): the same as
-            ``reshard_after_forward``, so after any forward (an eval one included) every
-            parameter is sharded again. ``False``: keep the root's parameters gathered from
-            forward to backward (saves one all-gather per step; FSDP2's own default for the root),
-            but then build the optimizer before the first forward and call ``model.reshard()``
-            before reading a state dict after a forward without backward.
+            ``reshard_after_forward``, as torchtune does, so after any forward (an eval one
+            included) every parameter is sharded again. ``False``: keep the root's parameters
+            gathered from forward to backward (saves one all-gather per step; what FSDP2 does for
+            the root when ``fully_shard`` gets no ``reshard_after_forward``), but then build the
+            optimizer before the first forward and call ``model.reshard()`` before reading a
+            state dict after a forward without backward.
 
     Returns:
         ShardingPlan: the applied units (see :func:`describe_sharding`); ``print`` it for a table.

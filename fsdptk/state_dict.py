@@ -16,8 +16,10 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdptk import _engine
+from fsdptk import buffers as _buffers
 from fsdptk._engine import DEFAULT_BUCKET_BYTES
-from fsdptk.runtime import all_gather_object
+from fsdptk.buffers import BUFFER_INIT_HOOKS, BufferInit
+from fsdptk.runtime import agreed, all_gather_object, check_type
 
 __all__ = [
     "load_from_full_model_state_dict",
@@ -25,12 +27,6 @@ __all__ = [
     "iter_full_state_dict",
     "BUFFER_INIT_HOOKS",
 ]
-
-#: Method names tried, in order, on a module whose non-persistent buffers are still on ``meta``
-#: after loading (fsdptk.testing's ``reset_buffers``, torchtune's RoPE ``rope_init``, ...).
-BUFFER_INIT_HOOKS = ("reset_buffers", "rope_init", "reset_rope", "init_buffers")
-
-BufferInit = Callable[[nn.Module], None]
 
 
 def _tensor_groups(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
@@ -88,75 +84,77 @@ class _AliasedSource(Mapping[str, Any]):
         return sum(1 for _ in self)
 
     def __delitem__(self, key: str) -> None:
+        """Release ``key`` (and its tied aliases): see :func:`_release_entry`."""
         for k in self._group.get(key, [key]):
             if k in self._src:
-                del self._src[k]  # type: ignore[attr-defined]
+                _release_entry(self._src, k)
+
+
+def _release_entry(source: Any, key: str) -> None:
+    """torchtune's ``release_sd`` contract: free the entry's memory but keep its key.
+
+    The value becomes a ``meta`` tensor of the same shape and dtype (no storage), so the caller's
+    dict keeps every key it had (torchtune's LoRA recipe tests ``not state_dict`` afterwards) while
+    the full tensor can be freed. A mapping that cannot be assigned to is left as it is.
+    """
+    value = source[key]
+    if not isinstance(value, torch.Tensor) or value.is_meta:
+        return
+    try:
+        source[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+    except (TypeError, NotImplementedError, AttributeError):
+        pass
 
 
 def _meta_nonpersistent(model: nn.Module) -> dict[str, list[str]]:
     """module fqn -> names of its non-persistent buffers that are still on ``meta``."""
-    out: dict[str, list[str]] = {}
-    for mod_name, mod in model.named_modules():
-        for name in getattr(mod, "_non_persistent_buffers_set", ()):
-            buf = mod._buffers.get(name)
-            if buf is not None and buf.is_meta:
-                out.setdefault(mod_name, []).append(name)
-    return out
+    return _buffers._meta_nonpersistent(model)
 
 
 def _buffer_plan(model: nn.Module, broadcast_from_rank0: bool, init_buffers: BufferInit | None,
-                 ) -> tuple[dict[str, list[str]], list[str]]:
+                 ) -> tuple[dict[str, Any], list[str]]:
     """Decide, identically on every rank, how meta non-persistent buffers get their values.
 
-    Returns (modules to re-initialise with their hook on this rank, buffers to send from rank 0).
-    Raises a ValueError naming the buffers on every rank when neither is possible.
+    Each rank recomputes the values of its own meta buffers through the rules of
+    :mod:`fsdptk.buffers` (on shadows: the model does not change). One object all-gather then
+    agrees: a module no rule covers on some rank is sent from rank 0 when ``broadcast_from_rank0``
+    and rank 0 holds real values, else it is a ValueError raised on every rank, naming the buffers,
+    why each rule did not apply and the remedies.
+
+    Returns (module fqn -> recomputed values for this rank, fqns of buffers to send from rank 0).
     """
-    world, rank = _engine._world()
+    world, _ = _engine._world()
     mine = _meta_nonpersistent(model)
-    views = all_gather_object(mine)
-    modules = dict(model.named_modules())
-    hooked, send, problems = {}, [], []
-    for mod_name in sorted({m for v in views for m in v}):
-        names = sorted({b for v in views for b in v.get(mod_name, [])})
-        has_hook = init_buffers is not None or any(
-            callable(getattr(modules[mod_name], h, None)) for h in BUFFER_INIT_HOOKS)
-        rank0_real = mod_name not in views[0] or not set(names) & set(views[0][mod_name])
-        if has_hook:
-            if mod_name in mine:
-                hooked[mod_name] = mine[mod_name]
-        elif broadcast_from_rank0 and rank0_real and world > 1:
-            send += [f"{mod_name}.{n}" if mod_name else n for n in names]
+    try:
+        values, failed = _buffers._recompute(model, mine, init_buffers)
+    except Exception as e:  # noqa: BLE001 - agreed just below, never left to one rank
+        values, failed = {}, {m: f"recomputing raised {type(e).__name__}: {e}" for m in mine}
+    views = all_gather_object((mine, failed)) if world > 1 else [(mine, failed)]
+    failures: dict[str, str] = {}
+    for _, f in views:
+        for mod_name, msg in f.items():
+            failures.setdefault(mod_name, msg)
+    send, problems = [], []
+    rank0_meta = views[0][0]
+    for mod_name in sorted(failures):
+        names = sorted({b for v, _ in views for b in v.get(mod_name, [])})
+        rank0_real = not set(names) & set(rank0_meta.get(mod_name, []))
+        if names and broadcast_from_rank0 and rank0_real and world > 1 and init_buffers is None:
+            send += [_buffers._fqn(mod_name, n) for n in names]
+            values.pop(mod_name, None)  # every rank takes rank 0's values
         else:
-            fqns = [f"{mod_name}.{n}" if mod_name else n for n in names]
-            problems.append(("ValueError", f"non-persistent buffer(s) {fqns} are on meta and "
-                             f"{type(modules[mod_name]).__name__} has none of {list(BUFFER_INIT_HOOKS)}: "
-                             "pass init_buffers=..., or materialise them on rank 0 with "
-                             "broadcast_from_rank0=True"))
+            problems.append(("ValueError", f"{failures[mod_name]}. Remedies: "
+                             f"{_buffers._remedies(broadcast=True)}"))
     _engine._raise(problems, "cannot initialise the non-persistent buffers")
-    return hooked, send
-
-
-def _run_buffer_hooks(model: nn.Module, hooked: dict[str, list[str]], device: torch.device,
-                      init_buffers: BufferInit | None) -> None:
-    modules = dict(model.named_modules())
-    for mod_name, names in hooked.items():
-        mod = modules[mod_name]
-        for n in names:  # give the hook real tensors to write into / read the device from
-            mod._buffers[n] = torch.empty_like(mod._buffers[n], device=device)
-        with torch.device(device):
-            if init_buffers is not None:
-                init_buffers(mod)
-            else:
-                next(getattr(mod, h) for h in BUFFER_INIT_HOOKS if callable(getattr(mod, h, None)))()
-        for n, buf in mod._buffers.items():
-            if buf is not None and n in mod._non_persistent_buffers_set:
-                if buf.is_meta:
-                    raise RuntimeError(f"the buffer hook of {mod_name or 'the root'} left {n!r} on meta")
-                mod._buffers[n] = buf.to(device)
+    return values, send
 
 
 def _send_buffers(model: nn.Module, fqns: list[str], device: torch.device) -> None:
-    """Rank 0's real values of meta non-persistent buffers -> every rank (scattered by the engine)."""
+    """Rank 0's real values of meta non-persistent buffers -> every rank (scattered by the engine).
+
+    The engine's generator is exhausted before anything is assigned: its last steps wait for rank
+    0's sends (stopping early left them pending and hung the next collective).
+    """
     if not fqns:
         return
     modules = dict(model.named_modules())
@@ -164,8 +162,9 @@ def _send_buffers(model: nn.Module, fqns: list[str], device: torch.device) -> No
     targets = [(f, mod._buffers[n]) for f, (mod, n) in zip(fqns, owners)]
     source = dict(targets) if _engine._world()[1] == 0 else {}
     plan = _engine.agree(targets, source, src_rank0=True)
-    for (mod, n), (_, value) in zip(owners, _engine.distribute(plan, source, device=device)):
-        mod._buffers[n] = value
+    received = dict(_engine.distribute(plan, source, device=device))
+    for f, (mod, n) in zip(fqns, owners):
+        mod._buffers[n] = received[f]
 
 
 def _check_strict(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
@@ -194,9 +193,13 @@ def load_from_full_model_state_dict(
     FSDP + TP, ``_StridedShard``), with unsharded submodules, buffers and NF4 parameters. Every
     tensor is cast to the model's dtype for its key (NF4: the full tensor is re-quantised with the
     parameter's own block sizes, then this rank's chunk is kept). Tied parameters stay one
-    Parameter object. Non-persistent buffers still on ``meta`` are recomputed by their module's
-    own hook (the first of :data:`BUFFER_INIT_HOOKS`, or ``init_buffers``), or sent from rank 0
-    when ``broadcast_from_rank0`` and rank 0 holds real values.
+    Parameter object. Non-persistent buffers (in no state dict) still on ``meta`` are recomputed
+    on CPU, for their module only, by the first rule of :mod:`fsdptk.buffers` that applies
+    (``init_buffers``, :func:`fsdptk.register_buffer_init`, the module's own hook such as
+    torchtune's ``rope_init``, Hugging Face's ``_init_weights``, ``reset_parameters`` of a
+    parameter-less module), or, when no rule applies, sent from rank 0 when
+    ``broadcast_from_rank0`` and rank 0 holds real values. Real non-persistent buffers (a model
+    built under :func:`fsdptk.params_on_meta`) keep their values and move to ``device``.
 
     Args:
         model: the (usually sharded) model.
@@ -206,14 +209,20 @@ def load_from_full_model_state_dict(
         device: where the shards go (e.g. ``torch.device("cuda", local_rank)``).
         strict: raise (on every rank, before the model changes) when keys are missing or unexpected.
         cpu_offload: keep the loaded parameter shards on CPU (buffers go to ``device``).
-        release_sd: delete each entry from ``full_sd`` as soon as it has been used, so peak memory
-            stays at one tensor (or bucket) beyond the shards. This MUTATES ``full_sd``; pass
-            ``False`` to leave the caller's mapping untouched.
+        release_sd: free each entry of ``full_sd`` as soon as it has been used, so peak memory
+            stays at one tensor (or bucket) beyond the shards, as torchtune does: ``full_sd``
+            KEEPS ALL ITS KEYS, and the value of every key that was loaded into the model (tied
+            aliases included; on every rank that holds it) is replaced by a ``meta`` tensor of the
+            same shape and dtype (no storage); unexpected keys keep their values. A mapping that
+            does not support item assignment (a lazy checkpoint view) is left as it is. ``False``
+            leaves the caller's mapping untouched.
         broadcast_from_rank0: only rank 0 reads ``full_sd``; each rank receives only its own shard
             bytes, scattered from rank 0 bucket by bucket.
         bucket_bytes: full-tensor bytes per bucket (default 16 MiB: rank 0 packs the next bucket while the previous one is in flight).
-        init_buffers: called as ``init_buffers(module)`` (under ``torch.device(device)``) for each
-            module whose non-persistent buffers are on ``meta``, instead of the module's own hook.
+        init_buffers: ``init_buffers(module)`` sets the non-persistent buffers of each module
+            that has some on ``meta``, overriding every other rule; it receives a stand-in of the
+            module (parameters on ``meta``) and runs under ``torch.device("cpu")`` (see
+            :func:`fsdptk.register_buffer_init`).
 
     Returns:
         torch.nn.modules.module._IncompatibleKeys: ``missing_keys`` and ``unexpected_keys``.
@@ -221,9 +230,17 @@ def load_from_full_model_state_dict(
     Raises:
         ValueError: on every rank, before the model changes: a shape mismatch (key and both
             shapes), a floating tensor for an integer entry (key and both dtypes), sources that
-            differ between ranks, meta non-persistent buffers that cannot be initialised.
-        TypeError: on every rank, when the only problems are non-tensor values (key and type).
+            differ between ranks, meta non-persistent buffers that no rule can compute (the
+            message names them, why each rule did not apply, and the remedies).
+        TypeError: on every rank, when the only problems are non-tensor values (key and type),
+            or ``model`` is not an ``nn.Module`` or ``full_sd`` not a Mapping (names the argument
+            and its type).
         RuntimeError: with ``strict=True``, listing the missing and unexpected keys.
+        Exception: a read failing on any rank (a lazy ``full_sd`` raising, a file gone), on every
+            rank, named after the lowest failing rank and the key; the model is untouched (values
+            are assigned only once every rank has all of its values). Without
+            ``broadcast_from_rank0``, a replicated (non-DTensor) entry that differs between ranks
+            is a ValueError naming the key (a checksum in the engine's per-bucket agreement).
 
     Example:
         >>> import torch
@@ -236,33 +253,49 @@ def load_from_full_model_state_dict(
         >>> model.weight.device.type, len(sd)
         ('cpu', 2)
     """
-    device = torch.device(device)
-    targets, aliases = _tensor_groups(model)
-    source = _AliasedSource(full_sd, aliases)
+    reads = not broadcast_from_rank0 or _engine._world()[1] == 0
+    with agreed():  # a bad argument on any rank is raised on every rank, before any collective
+        check_type(model, nn.Module, "model", "a torch.nn.Module")
+        if reads or full_sd is not None:
+            check_type(full_sd, Mapping, "full_sd", "a Mapping of fqn -> full tensor (a dict, or a "
+                       "lazy view such as SafetensorsCheckpoint)" + ("" if reads else "; ranks other "
+                       "than 0 may pass {} or None with broadcast_from_rank0=True"))
+        device = torch.device(device)
+        targets, aliases = _tensor_groups(model)
+        source = _AliasedSource({} if full_sd is None else full_sd, aliases)
     plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0)
     missing = [k for k in model.state_dict(keep_vars=True) if aliases.get(k, k) in plan.missing]
     if strict:
         _check_strict(model, missing, plan.unexpected)
-    hooked, send = _buffer_plan(model, broadcast_from_rank0, init_buffers)
+    recomputed, send = _buffer_plan(model, broadcast_from_rank0, init_buffers)
     # validation is over on every rank: from here on the model changes
     params = {id(p) for p in model.parameters()}
     by_fqn = dict(targets)
     new_sd: dict[str, Any] = {}
     load_device = torch.device("cpu") if cpu_offload else device
-    for fqn, value in _engine.distribute(plan, source, device=load_device, release=release_sd,
-                                         bucket_bytes=bucket_bytes):
-        old = by_fqn[fqn]
-        if id(old) in params:
-            value = nn.Parameter(value, requires_grad=old.requires_grad)
-        elif cpu_offload:
-            value = value.to(device)
-        new_sd[fqn] = value
+    values = _engine.distribute(plan, source, device=load_device, release=release_sd,
+                                bucket_bytes=bucket_bytes)
+    for fqn, value in values:  # ends only once every rank has every value (agreed status)
+        try:
+            old = by_fqn[fqn]
+            if id(old) in params:
+                value = nn.Parameter(value, requires_grad=old.requires_grad)
+            elif cpu_offload:
+                value = value.to(device)
+            new_sd[fqn] = value
+        except Exception as e:  # noqa: BLE001 - the engine agrees it: every rank raises it
+            values.throw(e)
     for alias, canon in aliases.items():
         if canon in new_sd:
             new_sd[alias] = new_sd[canon]
     model.load_state_dict(new_sd, strict=False, assign=True)
+    if release_sd and broadcast_from_rank0 and _engine._world()[1] != 0:
+        for fqn in plan.keys:  # never read here, but released like rank 0's (same contract)
+            if fqn in source:
+                del source[fqn]
     _send_buffers(model, send, device)
-    _run_buffer_hooks(model, hooked, device, init_buffers)
+    _buffers._assign(model, recomputed, device)
+    _buffers._move_real_nonpersistent(model, device)
     return _IncompatibleKeys(missing, list(plan.unexpected))
 
 
@@ -305,10 +338,14 @@ def iter_full_state_dict(
 
     Returns:
         Iterator[list[tuple[str, torch.Tensor]]]: non-empty buckets on rank 0, ``[]`` elsewhere.
-        Every rank must exhaust the iterator (it runs collectives).
+        Every rank must exhaust the iterator (it runs collectives). When the code consuming it
+        fails on one rank (a write), pass the error in with ``iterator.throw(exc)``: every rank
+        then raises it (see ``docs/failure_model.md``).
 
     Raises:
+        TypeError: on every rank, when ``model`` is not an ``nn.Module``.
         ValueError: on every rank, when a tensor is still on ``meta`` or ranks disagree.
+        Exception: any rank's failure while gathering, on every rank, naming that rank.
 
     Example:
         >>> import torch
@@ -316,9 +353,15 @@ def iter_full_state_dict(
         >>> [k for bucket in iter_full_state_dict(torch.nn.Linear(2, 3)) for k, _ in bucket]
         ['weight', 'bias']
     """
-    items, groups = _gather_items(model, adapter_weights_only, is_adapter)
-    for bucket in _engine.collect(items, bucket_bytes=bucket_bytes):
-        yield [(k, t) for fqn, t in bucket for k in (fqn, *groups.get(fqn, ()))]
+    with agreed():  # a bad argument or a failing is_adapter on any rank: raised on every rank
+        check_type(model, nn.Module, "model", "a torch.nn.Module")
+        items, groups = _gather_items(model, adapter_weights_only, is_adapter)
+    buckets = _engine.collect(items, bucket_bytes=bucket_bytes)
+    for bucket in buckets:
+        try:
+            yield [(k, t) for fqn, t in bucket for k in (fqn, *groups.get(fqn, ()))]
+        except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the engine
+            buckets.throw(e)
 
 
 def gather_cpu_state_dict(

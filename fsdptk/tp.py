@@ -28,6 +28,7 @@ __all__ = ["prepare_mha_for_tp", "apply_tp"]
 _log = logging.getLogger(__name__)
 
 _MISSING = object()
+_PREPARED = "_fsdptk_mha_tp"  # set on each attention module prepare_mha_for_tp changed
 
 
 @dataclass(frozen=True)
@@ -158,6 +159,11 @@ def prepare_mha_for_tp(
     ``decoder_attr`` sub-module (fusion wrappers such as torchtune's ``DeepFusionModel``), only
     that decoder is scanned: the encoder is not tensor-parallel.
 
+    Calling it twice on one model is a ValueError, not a second division (torchtune's version
+    divides again, silently leaving every count too small): each attention module it changes
+    records what was done (a plain attribute, not in the state dict), and a second call names the
+    module and the earlier change before changing anything.
+
     GQA with fewer KV heads than TP ranks: by default a ValueError. With
     ``replicate_kv_heads=True`` and a TP size that is a multiple of the KV head count, each rank
     keeps one KV head (``num_kv_heads`` becomes 1), the one its query heads attend with; the K/V
@@ -183,7 +189,8 @@ def prepare_mha_for_tp(
         ValueError: if ``tp_mesh`` is not 1-D; if a selected module lacks an attribute or a count
             is not divisible by the TP size (the message names the module FQN, the count and the
             TP size, e.g. ``"Number of KV heads (6) must be divisible by tensor parallel size
-            (4)."``); if no attention module is found.
+            (4)."``); if no attention module is found; if a selected module was already
+            prepared by an earlier call (names the module, the TP size and the counts).
 
     Example:
         >>> mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp_shard", "tp"))
@@ -203,12 +210,22 @@ def prepare_mha_for_tp(
     scope, prefix = _scope(model, decoder_attr)
 
     changes: dict[tuple[int, str], _Change] = {}
+    selected: list[tuple[nn.Module, str]] = []
     found = 0
     for fqn, module in scope.named_modules(prefix=prefix):
         if not is_attention(fqn, module):
             continue
         found += 1
-        for ch in _plan_changes(fqn, module, attrs, tp_size, replicate_kv_heads):
+        done = getattr(module, _PREPARED, None)
+        if done is not None:
+            raise ValueError(
+                f"attention module '{fqn or '<root>'}' ({type(module).__name__}) was already "
+                f"prepared by prepare_mha_for_tp for tensor parallel size {done[0]} ({done[1]}); "
+                "call it once per model: a second call would divide the head counts again."
+            )
+        mine = _plan_changes(fqn, module, attrs, tp_size, replicate_kv_heads)
+        selected.append((module, ", ".join(f"{c.attr} {c.old} -> {c.new}" for c in mine)))
+        for ch in mine:
             changes.setdefault((id(ch.holder), ch.attr), ch)  # a shared config is divided once
     if not found:
         raise ValueError(
@@ -219,6 +236,8 @@ def prepare_mha_for_tp(
         )
     for ch in changes.values():
         setattr(ch.holder, ch.attr, ch.new)
+    for module, summary in selected:
+        setattr(module, _PREPARED, (tp_size, summary))
     _log_once(f"prepare_mha_for_tp: scaled {found} attention modules for TP size {tp_size}")
     return model
 
@@ -246,8 +265,9 @@ def apply_tp(
         TypeError: if a plan value is not a ParallelStyle or the mesh is not a DeviceMesh.
         ValueError: if the mesh is not 1-D, the plan is empty, a key names no sub-module, a
             module already holds DTensor parameters, ``ColwiseParallel``/``RowwiseParallel``
-            targets a module other than ``nn.Linear``/``nn.Embedding``, or a
-            :class:`~fsdptk.tp_plan.ReplicatedKVColwise` cannot split its module. All checked
+            targets a module other than ``nn.Linear``/``nn.Embedding``, or a style's own
+            ``_check(module, tp_size, fqn)`` refuses its module (e.g. a
+            :class:`~fsdptk.tp_plan.ReplicatedKVColwise` that cannot split it). All checked
             before any module changes: on error the model is untouched.
 
     Example:
@@ -268,8 +288,6 @@ def _check_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size: in
     """Everything ``parallelize_module`` would only find half-way through, checked up front."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from fsdptk.tp_plan import ReplicatedKVColwise
 
     if not plan:
         raise ValueError("apply_tp got an empty plan")
@@ -297,8 +315,9 @@ def _check_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size: in
                     f"plan['{fqn}'] is {type(style).__name__}, which only shards nn.Linear and "
                     f"nn.Embedding, but '{fqn}' is a {type(module).__name__}"
                 )
-        if isinstance(style, ReplicatedKVColwise):
-            style._check(module, tp_size, fqn)
+        check = getattr(style, "_check", None)  # ReplicatedKVColwise, HFAttentionHeads, ...
+        if callable(check):
+            check(module, tp_size, fqn)
 
 
 def _escape(fqn: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Multi-process properties are slow per example: no deadline, and hypothesis must not complain that
@@ -16,3 +17,19 @@ settings.register_profile(
 )
 settings.register_profile("ci", parent=settings.get_profile("fsdptk"), derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "fsdptk")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked ``gpu`` (registered in pyproject.toml) where CUDA is not available.
+
+    ``python -m pytest -m gpu`` selects exactly those tests (see docs/testing.md, "GPU checks").
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False); on a GPU "
+                                   "machine run: python -m pytest -m gpu")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

@@ -181,3 +181,21 @@ def test_convert_a_plain_dcp_directory_needs_the_right_prefix(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "raw"), str(tmp_path / "out"), "--prefix", ""]) == 0
     back = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_inspect_resolves_a_directory_as_the_loader_does(tmp_path, capsys):
+    from fsdptk._safetensors_writer import ShardedWriter
+
+    sd = {f"layers.{i}.w": torch.full((4, 8), float(i)) for i in range(4)}
+    w = ShardedWriter(tmp_path, [(k, v.dtype, v.shape) for k, v in sd.items()], max_shard_size=300)
+    for k, v in sd.items():
+        w.write(k, v)
+    w.commit()
+    index = tmp_path / "model.safetensors.index.json"
+    for path in (tmp_path, index):  # the directory, or its index: the files the index names
+        fmt, infos = inspect_checkpoint(path)
+        assert fmt == "safetensors" and sorted(i["key"] for i in infos) == sorted(sd)
+    save_file({"new": torch.zeros(2)}, str(tmp_path / "model.safetensors"))  # the index is now stale
+    assert [i["key"] for i in inspect_checkpoint(tmp_path)[1]] == ["new"]
+    assert main(["inspect", str(tmp_path / "nope.safetensors.index.json")]) == 1
+    assert "no such file" in capsys.readouterr().err

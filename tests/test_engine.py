@@ -161,3 +161,129 @@ def test_single_process_and_errors():
         assert "'a'" in str(e) and "str" in str(e)
     else:
         raise AssertionError("expected a TypeError")
+
+
+# ---------------------------------------------------------------------------------------------
+# failure protocol: a failure anywhere is the same error on every rank (tests/test_failure_collective.py
+# covers the public calls; these drive the engine directly over random failure points)
+
+
+class _FailingSource(dict):
+    """Full tensors whose ``fail_at``-th data read (1-based, after the metadata pass) raises on
+    ``fail_rank``; with ``slices`` it is read shard-on-read."""
+
+    def __init__(self, data, fail_rank, fail_at, slices):
+        super().__init__(data)
+        self.fail_rank, self.fail_at, self.reads, self.armed = fail_rank, fail_at, 0, False
+        if slices:
+            self.get_slice = self._slice
+
+    def _hit(self, key):
+        if self.armed:
+            self.reads += 1
+            if dist.get_rank() == self.fail_rank and self.reads == self.fail_at:
+                raise OSError(f"cannot read {key}")
+
+    def __getitem__(self, key):
+        self._hit(key)
+        return dict.__getitem__(self, key)
+
+    def _slice(self, key):
+        src, full = self, dict.__getitem__(self, key)
+
+        class _S:
+            def get_shape(self):
+                return list(full.shape)
+
+            def get_dtype(self):
+                return "F32"
+
+            def __getitem__(self, idx):
+                src._hit(key)
+                return full[idx]
+
+        return _S()
+
+
+def _fail_case(mode, phase, fail_rank, fail_at, bucket):
+    import time
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import fsdptk._engine as engine
+
+    mesh = init_device_mesh("cpu", (2,))
+    fulls = {f"t{i}": torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(6)}
+    fulls["plain"] = torch.ones(5)
+    targets = [(k, distribute_tensor(v, mesh, [Shard(0)]) if k != "plain" else v.clone())
+               for k, v in fulls.items()]
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        if phase == "load":
+            src = (_FailingSource(fulls, fail_rank, fail_at, mode == "slices")
+                   if mode != "rank0" or dist.get_rank() == 0 else {})
+            plan = engine.agree([(k, t.to("meta")) for k, t in targets], src, src_rank0=mode == "rank0")
+            if isinstance(src, _FailingSource):
+                src.armed = True  # from here on, reads are data reads
+            dict(engine.distribute(plan, src, device="cpu", bucket_bytes=bucket))
+        else:  # gather: a sender or the receiver fails, or the caller's code fails (throw)
+            inner, calls = engine._plain_local, [0]
+
+            def flaky(t):
+                calls[0] += 1
+                if phase == "gather" and dist.get_rank() == fail_rank and calls[0] == fail_at:
+                    raise OSError("cannot read a shard")
+                return inner(t)
+
+            engine._plain_local = flaky
+            try:
+                buckets = engine.collect(targets, bucket_bytes=bucket)
+                for n, _ in enumerate(buckets, start=1):
+                    if phase == "caller" and dist.get_rank() == fail_rank and n == fail_at:
+                        buckets.throw(OSError("the caller's write failed"))
+            finally:
+                engine._plain_local = inner
+    except OSError as e:
+        return "OSError", str(e), time.monotonic() - t0
+    return "no error", "", time.monotonic() - t0
+
+
+@settings(max_examples=12, deadline=None)
+@given(mode=st.sampled_from(["local", "rank0", "slices"]), phase=st.sampled_from(["load", "gather", "caller"]),
+       fail_rank=st.integers(0, 1), fail_at=st.integers(1, 7), bucket=st.sampled_from([16, 100, 1 << 20]))
+def test_any_failure_point_is_the_same_error_on_every_rank(world, mode, phase, fail_rank, fail_at, bucket):
+    if phase == "load" and mode == "rank0":
+        fail_rank = 0  # only rank 0 reads
+    res = world(2).run(_fail_case, mode, phase, fail_rank, fail_at, bucket, timeout=60,
+                       return_exceptions=True)
+    from fsdptk._engine import _buckets
+
+    # data reads: 6 shards + the plain tensor; _plain_local calls: rank 0 places its 6 shards and
+    # the plain tensor, rank 1 packs its 6 shards; the caller sees one bucket per bucket
+    limit = {"load": 7, "gather": 7 if fail_rank == 0 else 6,
+             "caller": len(_buckets([48] * 6 + [20], bucket))}[phase]
+    happens = fail_at <= limit
+    for rank, r in enumerate(res):
+        assert not isinstance(r, RemoteError), r
+        kind, msg, seconds = r
+        assert seconds < 10, r
+        if not happens:
+            assert kind == "no error", r
+            continue
+        assert kind == "OSError", r
+        if rank != fail_rank:
+            assert f"(on rank {fail_rank})" in msg, r
+
+
+def test_checksum_tells_values_apart():
+    from fsdptk._engine import _checksum
+
+    a = torch.arange(12, dtype=torch.float32)
+    b = a.clone()
+    b[7] += 1
+    assert _checksum([a]) == _checksum([a.clone()]) and _checksum([a]) != _checksum([b])
+    big = torch.arange(10, dtype=torch.uint8)
+    assert _checksum([big[1:9]]) == _checksum([big[1:9].clone()])  # odd storage offset
+    assert _checksum([torch.ones(3, dtype=torch.bfloat16)]) != _checksum([torch.zeros(3, dtype=torch.bfloat16)])

@@ -542,8 +542,7 @@ def test_int_ids_follow_named_parameters_or_param_names():
     assert to_fqn_optimizer_state_dict(model, alias)["param_groups"][0]["params"] == ["embed.weight"]
 
 
-@pytest.mark.skipif(not torch.accelerator.is_available(),
-                    reason="FSDP2's CPUOffloadPolicy needs an accelerator; this machine is CPU-only")
+@pytest.mark.gpu  # FSDP2's CPUOffloadPolicy needs an accelerator
 def test_cpu_offload_state_lives_on_cpu():  # pragma: no cover - needs a GPU
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 

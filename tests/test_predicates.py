@@ -21,6 +21,7 @@ from fsdptk.predicates import (
     clean_fqn,
     describe_predicate,
     layers,
+    no_split_modules,
     not_,
 )
 
@@ -142,3 +143,65 @@ def test_clean_fqn() -> None:
 def test_bad_arguments_are_clear_errors(call, exc, text) -> None:
     with pytest.raises(exc, match=text):
         call()
+
+
+# -- no_split_modules (HF models: tests/test_hf.py) ---------------------------------------------
+class _Block(nn.Linear):
+    pass
+
+
+class _SubBlock(_Block):
+    pass
+
+
+class _Inner(nn.Module):
+    _no_split_modules = ["_Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(2, 2), _SubBlock(2, 2)])
+
+
+class _Outer(nn.Module):
+    """A plain module holding a sub-model that declares its blocks, plus one declaring its own."""
+
+    _no_split_modules = ("_Extra",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Inner()
+        self.extra = nn.Sequential(nn.Linear(2, 2))
+        self.head = nn.Linear(2, 2)
+
+
+def test_no_split_modules_gathers_sub_models_and_matches_by_class_name() -> None:
+    model = _Outer()
+    model.extra.__class__ = type("_Extra", (nn.Sequential,), {})
+    cond = no_split_modules(model)
+    assert repr(cond) == "no_split_modules(_Block, _Extra)"
+    matched = [n for n, m in model.named_modules() if n and cond(n, m)]
+    assert matched == ["inner.blocks.0", "inner.blocks.1", "extra"]  # a subclass matches too
+    again = pickle.loads(pickle.dumps(cond))
+    assert [n for n, m in model.named_modules() if n and again(n, m)] == matched
+
+
+def test_no_split_modules_matches_fsdp_style_subclasses_by_base_name() -> None:
+    cond = no_split_modules(_Inner())
+    fsdp_like = type("FSDP_Block", (_Block,), {})(2, 2)  # fully_shard's dynamic FSDP<Class>
+    assert cond("blocks.0", fsdp_like) and not cond("head", nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize(
+    ("make", "exc", "text"),
+    [
+        (lambda: nn.Sequential(nn.Linear(2, 2)), ValueError, "Sequential declares no _no_split_modules"),
+        (lambda: type("Empty", (nn.Sequential,), {"_no_split_modules": []})(nn.Linear(2, 2)),
+         ValueError, "Empty declares no _no_split_modules"),
+        (lambda: type("Odd", (nn.Sequential,), {"_no_split_modules": ["Missing"]})(nn.Linear(2, 2)),
+         ValueError, r"Odd declares _no_split_modules \['Missing'\] but holds no module"),
+        (lambda: "model", TypeError, "got str"),
+    ],
+)
+def test_no_split_modules_errors_name_the_model(make, exc, text) -> None:
+    with pytest.raises(exc, match=text):
+        no_split_modules(make())

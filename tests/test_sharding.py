@@ -540,8 +540,7 @@ def test_wrong_mesh_size_is_a_value_error() -> None:
         ParallelDims(dp_replicate=2, dp_shard=3, world_size=4)
 
 
-@pytest.mark.skipif(not torch.accelerator.is_available(), reason="CPUOffloadPolicy needs an "
-                    "accelerator (FSDP2 copies offloaded parameters to it for compute)")
+@pytest.mark.gpu  # CPUOffloadPolicy needs an accelerator (FSDP2 copies offloaded parameters to it)
 def test_cpu_offload_matches_single_process(tmp_path) -> None:
     # a one-rank group in this process: the persistent world is gloo on CPU, offload needs a device
     from torch.distributed.device_mesh import init_device_mesh

@@ -42,19 +42,21 @@ def _round_trip(spec, seed, names, layout, bcast, on_meta, bucket):
     model = build_module(spec, "meta" if on_meta else "cpu")
     _shard(model, names, layout)
     full = dict(sd) if (rank == 0 or not bcast) else {}
+    given = sorted(full)
     res = load_from_full_model_state_dict(model, full, "cpu", strict=True,
                                           broadcast_from_rank0=bcast, bucket_bytes=bucket)
+    released = sorted(full) == given and all(v.is_meta for v in full.values())  # keys kept
     ref = build_module(spec, "cpu")  # non-persistent buffers as the module's own hook makes them
     bufs_ok = all(torch.equal(b, dict(model.named_buffers())[k])
                   for k, b in ref.named_buffers() if k not in sd)  # non-persistent ones
     tied_ok = not spec["tied"] or model.head.weight is model.embed.weight
     got = gather_cpu_state_dict(model, rank == 0, bucket_bytes=bucket)
     if rank:
-        return (got == {}, bufs_ok, tied_ok, full == {}, list(res.missing_keys))
+        return (got == {}, bufs_ok, tied_ok, released, list(res.missing_keys))
     same = list(got) == list(sd) and all(
         got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v)
         for k, v in sd.items())
-    return (same, bufs_ok, tied_ok, full == {}, list(res.missing_keys))
+    return (same, bufs_ok, tied_ok, released, list(res.missing_keys))
 
 
 @st.composite
@@ -300,12 +302,14 @@ def _release(release):
     keep = {k: v.clone() for k, v in sd.items()}
     load_from_full_model_state_dict(model, sd, "cpu", release_sd=release)
     model.weight.data.add_(1)  # the model must not share memory with the caller's tensors
+    if release:  # torchtune's contract: memory freed (meta values), keys kept
+        return sorted(sd), all(sd[k].is_meta and sd[k].shape == keep[k].shape for k in sd)
     return sorted(sd), all(torch.equal(sd[k], keep[k]) for k in sd)
 
 
 def test_release_sd(world):
     assert world(2).run(_release, False) == [(["bias", "weight"], True)] * 2
-    assert world(2).run(_release, True) == [([], True)] * 2
+    assert world(2).run(_release, True) == [(["bias", "weight"], True)] * 2
 
 
 def _adapters():
@@ -329,3 +333,74 @@ def test_adapter_weights_only(world):
     out = world(2).run(_adapters)
     assert out[0] == ({"1.weight": True, "1.bias": True}, ["0.bias", "1.bias"])
     assert out[1] == ({}, [])
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU offload: a loaded DTensor is where its local tensor is (issue 15)
+
+
+def _offload_model(mesh_type: str) -> nn.Module:
+    """Linear(3, 5) + Linear(5, 2) on ``meta``, parameters as dim-0 sharded DTensors on a mesh of
+    ``mesh_type``; a "cuda" mesh can be built on a CPU-only torch (no CUDA call happens), so the
+    loaders' device handling for a GPU mesh is checked here too."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    import os
+
+    local_rank = os.environ.pop("LOCAL_RANK", None)  # else DeviceMesh calls torch.cuda.set_device
+    try:
+        mesh = DeviceMesh(mesh_type, torch.arange(dist.get_world_size()))
+    finally:
+        if local_rank is not None:
+            os.environ["LOCAL_RANK"] = local_rank
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2, bias=False))
+    for mod in model:
+        for name, p in list(mod.named_parameters(recurse=False)):
+            local = torch.chunk(torch.empty(p.shape, device="meta"), dist.get_world_size())[dist.get_rank()]
+            d = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
+            mod.register_parameter(name, nn.Parameter(d))
+    return model
+
+
+def _offload_load(mesh_type: str, cpu_offload: bool, how: str, tmp: str):
+    from fsdptk import gather_cpu_state_dict, load_from_full_model_state_dict, load_safetensors
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    full = {"0.weight": torch.randn(5, 3), "0.bias": torch.randn(5), "1.weight": torch.randn(2, 5)}
+    model = _offload_model(mesh_type)
+    if how == "file":
+        if rank == 0:
+            from safetensors.torch import save_file
+
+            save_file(full, f"{tmp}/model.safetensors")
+        dist.barrier()
+        load_safetensors(model, tmp, device="cpu", strict=True, cpu_offload=cpu_offload)
+    else:
+        sd = dict(full) if rank == 0 or how == "local" else {}
+        load_from_full_model_state_dict(model, sd, "cpu", strict=True, cpu_offload=cpu_offload,
+                                        broadcast_from_rank0=how == "bcast")
+    devices = {n: (str(p.device), str(p.to_local().device), type(p).__name__, p.device_mesh.device_type)
+               for n, p in model.named_parameters()}
+    got = gather_cpu_state_dict(model, rank == 0)
+    same = rank != 0 or (list(got) == list(full) and all(torch.equal(got[k], v) for k, v in full.items()))
+    return devices, same
+
+
+def test_loaded_dtensor_device_matches_its_local_tensor(world, tmp_path):
+    # Regression: DTensor.from_local moved a CPU-offloaded shard to the mesh's device type, and
+    # FSDP2 then copied it back into pinned CPU memory: .device said cuda, .to_local() was on CPU,
+    # and FSDP2's lazy init refused ("FSDP parameters should be materialized on CPU ...").
+    # On a CPU-only torch the old code failed outright on a cuda mesh ("not compiled with CUDA").
+    w = world(2)
+    for mesh_type, cpu_offload, how in [("cpu", False, "local"), ("cpu", True, "bcast"),
+                                        ("cuda", True, "local"), ("cuda", True, "bcast"),
+                                        ("cuda", True, "file")]:
+        for devices, same in w.run(_offload_load, mesh_type, cpu_offload, how, str(tmp_path)):
+            assert same, (mesh_type, cpu_offload, how)
+            assert set(devices) == {"0.weight", "0.bias", "1.weight"}
+            for name, (dev, local_dev, kind, mesh_dev) in devices.items():
+                assert (kind, mesh_dev) == ("DTensor", mesh_type), (name, mesh_type, how)
+                assert dev == local_dev == "cpu", (name, mesh_type, cpu_offload, how, dev, local_dev)

@@ -200,3 +200,54 @@ def test_meshes_work_after_the_world_rebuilt_its_process_group(world) -> None:
     first = w.run(_hsdp_step, 6)
     w.run(_fail, return_exceptions=True)
     assert w.run(_hsdp_step, 0) == first
+
+
+# ---------------------------------------------------------------------------------------------
+# backend= : gloo by default, NCCL on GPUs (validated in the caller, before any worker starts)
+
+
+def test_default_backend_is_gloo_on_cpu(world) -> None:
+    w = world(2)
+    assert (w.backend, w.cpu_only) == ("gloo", True)
+    # the workers' group is gloo and the accelerators stay hidden, as before backend= existed
+    assert w.run(lambda: (dist.get_backend(), os.environ["CUDA_VISIBLE_DEVICES"])) == [("gloo", "")] * 2
+
+
+def test_explicit_gloo_with_visible_accelerators() -> None:
+    with World(1, backend="gloo", cpu_only=False) as w:
+        assert (w.backend, w.cpu_only) == ("gloo", False)
+        assert w.run(dist.get_backend) == ["gloo"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"backend": "mpi"}, ValueError, r"backend must be one of \('gloo', 'nccl', 'cuda:nccl,cpu:gloo'\), got 'mpi'"),
+        ({"backend": "NCCL"}, ValueError, r"got 'NCCL'"),
+        ({"backend": "nccl", "cpu_only": True}, ValueError, r"backend='nccl' needs the GPUs: pass cpu_only=False"),
+        ({"backend": "cuda:nccl,cpu:gloo", "cpu_only": True}, ValueError,
+         r"backend='cuda:nccl,cpu:gloo' needs the GPUs"),
+    ],
+)
+def test_backend_argument_errors(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        World(2, **kwargs)
+
+
+def test_nccl_needs_cuda_and_one_gpu_per_rank(monkeypatch) -> None:
+    import multiprocessing
+
+    started = []
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", lambda self: started.append(self))
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"backend='nccl' needs CUDA, but torch.cuda.is_available\(\) is False"):
+            World(1, backend="nccl")
+    # more ranks than GPUs (on any machine): the message names both counts
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    if not torch.cuda.is_available():  # pretend one GPU, so that the count check is reached
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    n = gpus + 1
+    with pytest.raises(RuntimeError, match=rf"world_size {n} needs {n} GPUs, torch.cuda.device_count\(\) is {n - 1}"):
+        World(n, backend="nccl")
+    assert started == []  # nothing was spawned

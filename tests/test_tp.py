@@ -382,6 +382,9 @@ def _bad_inputs() -> dict:
     attempt("replicated_kv_cannot_split", build(spec(), "meta"),
             lambda m: apply_tp(m, tp_mesh, {"layers.0.attention.wq": ColwiseParallel(),
                                             "layers.0.attention.wk": ReplicatedKVColwise(3)}))
+    prepared = build(spec(heads=8, kv_heads=4), "meta")
+    prepare_mha_for_tp(prepared, tp_mesh)  # 8 -> 2 heads: a second call must not make it 0
+    attempt("prepared_twice", prepared, lambda m: prepare_mha_for_tp(m, tp_mesh))
     twice = build(spec(), "meta")
     apply_tp(twice, tp_mesh, {"layers.1.attention.wq": ColwiseParallel()})
     attempt("already_parallel", twice,
@@ -412,6 +415,8 @@ def test_bad_input_errors_on_every_rank_and_model_untouched(world) -> None:
         "replicated_kv_cannot_split": ("cannot split 3 KV heads over tensor parallel size 4",
                                        "'layers.0.attention.wk'"),
         "already_parallel": ("'layers.1.attention.wq'", "already DTensors"),
+        "prepared_twice": ("'layers.0.attention'", "already prepared by prepare_mha_for_tp for "
+                           "tensor parallel size 4", "num_heads 8 -> 2", "call it once per model"),
     }
     for rank, cases in enumerate(res):
         assert set(cases) == set(expect)

@@ -1,4 +1,4 @@
-"""A persistent multi-process world for real ``torch.distributed`` tests on CPU.
+"""A persistent multi-process world for real ``torch.distributed`` tests (gloo on CPU, or NCCL).
 
 Starting N Python processes that import torch and join a gloo process group costs seconds; doing it
 once per test makes a multi-process suite crawl. :class:`World` starts the workers once and then runs
@@ -6,6 +6,9 @@ any number of picklable functions on every rank, returning the per-rank results.
 raised in the caller with its remote traceback; a call that outlives its timeout kills and rebuilds
 the world instead of hanging; after any failed call the process group is re-created so that a
 half-finished collective cannot poison the next call.
+
+``backend="nccl"`` gives each rank the GPU of its rank (``cuda:<rank>``) and an NCCL process group,
+for the checks that need an accelerator; the default is gloo on CPU with accelerators hidden.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import pickle
 __all__ = ["World", "RemoteError", "WorldTimeout"]
 
 _START_TIMEOUT_S = 180.0
+_BACKENDS = ("gloo", "nccl", "cuda:nccl,cpu:gloo")
 _GRACE_S = 5.0  # how long the other ranks get to answer once one rank has failed
 
 
@@ -75,15 +79,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init_pg(rank: int, world_size: int, port: int, pg_timeout_s: float) -> None:
+def _init_pg(rank: int, world_size: int, port: int, pg_timeout_s: float, backend: str = "gloo") -> None:
+    import torch
     import torch.distributed as dist
 
+    kwargs: dict[str, Any] = {}
+    if "nccl" in backend:  # rank r drives cuda:r; binding it up front makes NCCL's setup eager
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device("cuda", rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=pg_timeout_s),
+        **kwargs,
     )
 
 
@@ -105,7 +115,7 @@ def _forget_old_meshes() -> None:
         pass
 
 
-# set in a worker before torch is imported: the world is CPU + gloo, and FSDP2 / DeviceMesh pick
+# set in a worker before torch is imported (gloo worlds): FSDP2 / DeviceMesh pick
 # an accelerator whenever one is visible (then rank r asks for device r, which may not exist)
 _HIDE_ACCELERATORS = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "",
                       "ZE_AFFINITY_MASK": "", "ASCEND_RT_VISIBLE_DEVICES": ""}
@@ -113,7 +123,7 @@ _HIDE_ACCELERATORS = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "",
 
 def _worker_main(
     rank: int, world_size: int, port: int, conn: Connection, pg_timeout_s: float,
-    cpu_only: bool = True,
+    cpu_only: bool = True, backend: str = "gloo",
 ) -> None:  # runs in the child process
     if cpu_only:
         os.environ.update(_HIDE_ACCELERATORS)
@@ -130,7 +140,7 @@ def _worker_main(
 
     torch.set_num_threads(1)
     try:
-        _init_pg(rank, world_size, port, pg_timeout_s)
+        _init_pg(rank, world_size, port, pg_timeout_s, backend)
     except BaseException as e:  # noqa: BLE001 - report any start-up failure to the parent
         conn.send(("fatal", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         return
@@ -151,7 +161,7 @@ def _worker_main(
                 if dist.is_initialized():
                     dist.destroy_process_group()
                 os.environ["MASTER_PORT"] = str(msg[1])
-                _init_pg(rank, world_size, msg[1], pg_timeout_s)
+                _init_pg(rank, world_size, msg[1], pg_timeout_s, backend)
                 _forget_old_meshes()
                 conn.send(("ready", os.getpid()))
             except BaseException as e:  # noqa: BLE001
@@ -179,6 +189,30 @@ def _worker_main(
             conn.send(("err", type(e).__name__, f"could not send the result: {e}", "", None))
 
 
+def _check_backend(backend: str, cpu_only: bool | None, world_size: int) -> None:
+    """Validate :class:`World`'s ``backend`` in the caller, before any worker starts."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if "nccl" not in backend:
+        return
+    if cpu_only:
+        raise ValueError(f"backend={backend!r} needs the GPUs: pass cpu_only=False (or leave it "
+                         "None), got cpu_only=True")
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"backend={backend!r} needs CUDA, but torch.cuda.is_available() is False "
+                           f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
+    if torch.cuda.device_count() < world_size:
+        raise RuntimeError(f"backend={backend!r} gives each rank its own GPU: world_size {world_size} "
+                           f"needs {world_size} GPUs, torch.cuda.device_count() is "
+                           f"{torch.cuda.device_count()}")
+    if not dist.is_nccl_available():
+        raise RuntimeError(f"backend={backend!r} needs NCCL, but torch {torch.__version__} was built "
+                           "without it (torch.distributed.is_nccl_available() is False)")
+
+
 def _outcome(rank: int, msg: tuple[Any, ...]) -> Any:
     """A worker's answer as a result or a :class:`RemoteError`; never raises.
 
@@ -201,16 +235,30 @@ def _outcome(rank: int, msg: tuple[Any, ...]) -> Any:
 
 
 class World:
-    """N persistent worker processes joined in a gloo process group on this machine.
+    """N persistent worker processes joined in one process group on this machine.
 
     Args:
         world_size: number of ranks (1 or more).
         timeout: default seconds a :meth:`run` call may take before the world is rebuilt.
-        pg_timeout: seconds a collective may block inside a worker (gloo's own timeout).
+        pg_timeout: seconds a collective may block inside a worker (the backend's own timeout).
         cpu_only: hide accelerators from the workers (``CUDA_VISIBLE_DEVICES=""`` and the like),
             so that code which picks a device when one is visible (FSDP2's default mesh,
             ``torch.accelerator``) behaves as on a CPU-only machine. ``False`` leaves the
-            environment alone (the process group is still gloo).
+            environment alone. Default (``None``): ``True`` for gloo, ``False`` for NCCL (which
+            needs the GPUs; ``cpu_only=True`` with ``backend="nccl"`` is an error).
+        backend: ``"gloo"`` (default: CPU tensors) or ``"nccl"``: rank ``r`` calls
+            ``torch.cuda.set_device(r)`` and joins an NCCL process group bound to ``cuda:r``, so
+            the machine needs CUDA and at least ``world_size`` visible GPUs.
+            ``"cuda:nccl,cpu:gloo"`` (what ``get_distributed_backend("cuda",
+            offload_ops_to_cpu=True)`` returns, for CPU offload) is NCCL for CUDA tensors and
+            gloo for CPU tensors, with the same GPU per rank.
+
+    Raises:
+        ValueError: ``world_size`` below 1, an unknown ``backend``, or an NCCL backend with
+            ``cpu_only=True``.
+        RuntimeError: an NCCL backend when CUDA or NCCL is not available, or fewer GPUs are
+            visible than ``world_size`` (the message names both counts); raised before any
+            process starts.
 
     Example:
         >>> import torch.distributed as dist
@@ -228,12 +276,15 @@ class World:
         *,
         timeout: float = 120.0,
         pg_timeout: float = 120.0,
-        cpu_only: bool = True,
+        cpu_only: bool | None = None,
+        backend: str = "gloo",
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        _check_backend(backend, cpu_only, world_size)
         self.world_size = world_size
-        self.cpu_only = cpu_only
+        self.backend = backend
+        self.cpu_only = "nccl" not in backend if cpu_only is None else cpu_only
         self.timeout = timeout
         self.pg_timeout = pg_timeout
         self._ctx = mp.get_context("spawn")
@@ -250,7 +301,8 @@ class World:
             parent, child = self._ctx.Pipe(duplex=True)
             proc = self._ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, port, child, self.pg_timeout, self.cpu_only),
+                args=(rank, self.world_size, port, child, self.pg_timeout, self.cpu_only,
+                      self.backend),
                 daemon=True,
                 name=f"fsdptk-world{self.world_size}-rank{rank}",
             )

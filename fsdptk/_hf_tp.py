@@ -1,0 +1,528 @@
+"""A Hugging Face model's own tensor-parallel plan, translated into DTensor ``ParallelStyle``\\ s.
+
+transformers models declare how they shard (``model.tp_plan``: the config's
+``base_model_tp_plan`` merged with the class's own entries such as ``lm_head``), as wildcard
+patterns (``model.layers.*.self_attn.q_proj``) mapped to style strings (``"colwise"``). transformers
+applies them with its own hook classes (``transformers.distributed.tensor_parallel``);
+:func:`hf_tp_plan` translates each string into torch's ``ParallelStyle`` with the same
+layouts, keyed by the model's concrete module FQNs, so the plan goes through
+:func:`fsdptk.apply_tp` and composes with FSDP2 (:func:`fsdptk.shard_model`) over the
+data-parallel mesh.
+
+Each string becomes torch's style with the same layouts (the table is in ``docs/hf_2d.md``):
+``colwise*`` / ``rowwise*`` / ``embedding_*`` are :class:`ColwiseKeepTied` /
+:class:`RowwiseKeepTied` (torch's classes, keeping a tied weight one Parameter),
+``sequence_parallel`` is ``SequenceParallel``, ``replicated_with_grad_allreduce`` is
+:class:`ReplicatedPartialGrad`, ``all_reduce`` is ``PrepareModuleOutput(Partial -> Replicate)``,
+``replicate`` needs nothing. Strings for fused (packed) expert weights, expert parallelism and MLA
+(``packed_colwise``, ``packed_rowwise``, ``moe_tp_experts``, ``moe_identity_expert``,
+``grouped_gemm``, ``ep_dispatch_experts``, ``mla_kv_a_proj``, ``local_params``) and rules naming a
+parameter rather than a module have no translation: :func:`hf_tp_plan` raises a ValueError naming
+the string and the FQN.
+
+Attention: transformers' attention modules reshape with ``-1`` heads, so an even split of the q/k/v
+projections needs no attribute change. With fewer KV heads than TP ranks (``tp % num_kv_heads ==
+0``) the k/v projections become :class:`~fsdptk.tp_plan.ReplicatedKVColwise` (each rank keeps the
+KV head its query heads use) and the attention module's ``num_key_value_groups`` is set to its
+per-rank value; any other head count that does not divide is refused by :func:`fsdptk.apply_tp`
+before the model changes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.placement_types import Placement
+
+from fsdptk.tp_plan import GatherSequence, ReplicatedKVColwise
+
+__all__ = ["hf_tp_plan", "HFAttentionHeads", "ReplicatedPartialGrad", "TRANSLATED", "REFUSED"]
+
+
+# --------------------------------------------------------------------------------- the styles
+def _place(style: _KeepTied, module: nn.Module, mesh: DeviceMesh,
+           placements: Mapping[str, Placement]) -> None:
+    """Distribute the module's own parameters. A tied parameter whose other owner was already
+    parallelised (``style.tied``) adopts that owner's DTensor Parameter, so the tie stays one
+    Parameter whichever end is applied first."""
+    for pname, param in list(module.named_parameters(recurse=False)):
+        want = (placements[pname],)
+        if isinstance(param, DTensor):
+            raise ValueError(f"{type(module).__name__}.{pname} is already a DTensor "
+                             f"({param.placements}): apply tensor parallel once")
+        for other, oname in style.tied.get(pname, ()):
+            placed = other._parameters.get(oname)
+            if isinstance(placed, DTensor):
+                if placed.device_mesh != mesh or tuple(placed.placements) != want:
+                    raise ValueError(
+                        f"{type(module).__name__}.{pname} is tied to a parameter already placed "
+                        f"{placed.placements}, but {type(style).__name__} needs {want}")
+                module.register_parameter(pname, placed)
+                break
+        else:
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, mesh, want, src_data_rank=style.src_data_rank),
+                requires_grad=param.requires_grad))
+
+
+class _KeepTied:
+    """Mixin: ``tied`` maps a parameter name to the (module, name) pairs sharing it."""
+
+    tied: dict[str, list[tuple[nn.Module, str]]] = {}
+
+    def tie(self, pname: str, other: nn.Module, oname: str) -> None:
+        """Record that this module's ``pname`` is ``other.<oname>`` (one tied Parameter)."""
+        self.tied = {**self.tied, pname: [*self.tied.get(pname, []), (other, oname)]}
+
+
+class ColwiseKeepTied(_KeepTied, ColwiseParallel):
+    """``ColwiseParallel`` whose tied parameters stay one Parameter with their other owner's."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        _place(self, module, mesh, {"weight": Shard(0), "bias": Shard(0)})
+
+    def _partition_embedding_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        _place(self, module, mesh, {"weight": Shard(1)})
+
+
+class RowwiseKeepTied(_KeepTied, RowwiseParallel):
+    """``RowwiseParallel`` whose tied parameters stay one Parameter with their other owner's.
+
+    As transformers' own rowwise style, a plain input sharded on its last dim is taken as this
+    rank's slice of ``in_features`` even when that does not divide by the TP size (a colwise
+    projection's uneven output feeds it); torch's style would assume equal slices.
+    """
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts: Any, desired_input_layouts: Any, mod: nn.Module,
+                          inputs: Any, device_mesh: DeviceMesh) -> Any:
+        x = inputs[0]
+        last = input_layouts[0]
+        if (isinstance(mod, nn.Linear) and not isinstance(x, DTensor) and isinstance(last, Shard)
+                and last.dim in (-1, x.ndim - 1)):
+            shape = (*x.shape[:-1], mod.in_features)
+            stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False, shape=shape,
+                                   stride=stride)
+        return RowwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod,
+                                                 (x, *inputs[1:]), device_mesh)
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        _place(self, module, mesh, {"weight": Shard(1), "bias": Replicate()})
+
+    def _partition_embedding_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        _place(self, module, mesh, {"weight": Shard(0)})
+
+
+class ReplicatedPartialGrad(ParallelStyle):
+    """Replicated parameters whose gradient is summed over the TP ranks.
+
+    transformers' ``"replicated_with_grad_allreduce"``: for a module that sits between a colwise
+    and a rowwise projection and sees only this rank's share of the activation (Qwen3 / Gemma3
+    per-head ``q_norm`` / ``k_norm``). The forward runs on local tensors with no collective; each
+    rank's parameter gradient covers only its heads, so the parameters are replicated DTensors
+    whose local views carry a ``Partial`` gradient: summed over TP ranks by FSDP2's
+    reduce-scatter, or by ``grad.full_tensor()`` without FSDP.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                module.register_parameter(pname, nn.Parameter(
+                    distribute_tensor(param, device_mesh, [Replicate()],
+                                      src_data_rank=self.src_data_rank),
+                    requires_grad=param.requires_grad))
+        saved: list[dict[str, Any]] = []
+
+        def to_local(mod: nn.Module, args: Any) -> None:
+            own = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)}
+            saved.append(own)
+            for n, p in own.items():
+                mod._parameters[n] = p.to_local(grad_placements=[Partial()])
+
+        def restore(mod: nn.Module, args: Any, out: Any) -> None:
+            mod._parameters.update(saved.pop())
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(restore, always_call=True)  # also after an exception
+        return module
+
+    def __repr__(self) -> str:
+        return "ReplicatedPartialGrad()"
+
+
+class HFAttentionHeads(ParallelStyle):
+    """Checks (and, with replicated KV heads, sets) a transformers attention module's head split.
+
+    transformers' attention reshapes with ``-1`` heads, so a colwise q/k/v split needs the head
+    counts to divide by the TP size: :func:`fsdptk.apply_tp` calls :meth:`_check` before changing
+    any module. With fewer KV heads than TP ranks (a multiple of them), the k/v projections are
+    :class:`~fsdptk.tp_plan.ReplicatedKVColwise` and every rank holds one KV head: the module's
+    ``num_key_value_groups`` becomes ``num_heads // tp``. With ``gather_sequence`` the module also
+    gathers its sequence-sharded input (:class:`~fsdptk.tp_plan.GatherSequence`).
+
+    Args:
+        num_heads: the module's global number of query heads.
+        num_kv_heads: its global number of KV heads.
+        gather_sequence: also gather a sequence-sharded input (sequence parallel).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, *, gather_sequence: bool = False):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.gather_sequence = gather_sequence
+
+    def _check(self, module: nn.Module, tp: int, fqn: str = "") -> None:
+        where = f"attention module '{fqn}' ({type(module).__name__})"
+        if self.num_heads % tp:
+            raise ValueError(f"{where}: Number of attention heads ({self.num_heads}) must be "
+                             f"divisible by tensor parallel size ({tp}).")
+        kv = self.num_kv_heads
+        if kv % tp and tp % kv:
+            raise ValueError(f"{where}: Number of KV heads ({kv}) must be divisible by tensor "
+                             f"parallel size ({tp}), or the TP size a multiple of it (each rank "
+                             "then keeps a replica of one KV head).")
+        if kv < tp and not isinstance(getattr(module, "num_key_value_groups", None), int):
+            raise ValueError(f"{where}: {kv} KV heads over tensor parallel size {tp} need "
+                             "replicated KV heads, but the module has no int "
+                             "'num_key_value_groups' to set to its per-rank value.")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        self._check(module, tp)
+        if self.num_kv_heads < tp:  # one (replicated) KV head per rank
+            module.num_key_value_groups = self.num_heads // tp
+        if self.gather_sequence:
+            GatherSequence()._apply(module, device_mesh)
+        return module
+
+    def __repr__(self) -> str:
+        return (f"HFAttentionHeads(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"gather_sequence={self.gather_sequence})")
+
+
+# ------------------------------------------------------------------------- string -> style
+_ROWWISE = ("rowwise", "rowwise_rep", "rowwise_split_input")
+
+# string -> (module type it shards, style factory; None: nothing to apply)
+TRANSLATED: dict[str, tuple[type[nn.Module] | None, Callable[[], ParallelStyle] | None]] = {
+    "colwise": (nn.Linear, lambda: ColwiseKeepTied()),
+    "colwise_rep": (nn.Linear, lambda: ColwiseKeepTied(output_layouts=Replicate())),
+    "colwise_gather_output": (nn.Linear, lambda: ColwiseKeepTied(output_layouts=Replicate())),
+    "rowwise": (nn.Linear, lambda: RowwiseKeepTied()),
+    "rowwise_rep": (nn.Linear, lambda: RowwiseKeepTied(input_layouts=Replicate())),
+    "rowwise_split_input": (nn.Linear, lambda: RowwiseKeepTied(input_layouts=Replicate())),
+    "embedding_rowwise": (nn.Embedding, lambda: RowwiseKeepTied(input_layouts=Replicate())),
+    "embedding_colwise": (nn.Embedding, lambda: ColwiseKeepTied(output_layouts=Replicate())),
+    "sequence_parallel": (None, lambda: SequenceParallel(use_local_output=True)),
+    "replicated_with_grad_allreduce": (None, lambda: ReplicatedPartialGrad()),
+    "all_reduce": (None, lambda: PrepareModuleOutput(
+        output_layouts=Partial(), desired_output_layouts=Replicate())),
+    "replicate": (None, None),
+}
+
+# strings transformers knows that have no DTensor module-style translation here, and why
+REFUSED: dict[str, str] = {
+    "packed_colwise": "fused (packed) expert weights: expert parallel is not built",
+    "packed_rowwise": "fused (packed) expert weights: expert parallel is not built",
+    "moe_tp_experts": "mixture-of-experts layers: expert parallel is not built",
+    "moe_identity_expert": "mixture-of-experts layers: expert parallel is not built",
+    "grouped_gemm": "expert-parallel weights: expert parallel is not built",
+    "ep_dispatch_experts": "expert-parallel token dispatch: expert parallel is not built",
+    "mla_kv_a_proj": "DeepSeek MLA projections are not translated",
+    "local_params": "parameter-level sharding (attention sinks) is not translated",
+}
+
+_KV_LEAVES = ("k_proj", "v_proj")
+
+
+def _generic(name: str) -> str:
+    """transformers' ``replace_layer_number_by_wildcard``: ``a.3.b`` -> ``a.*.b``."""
+    return re.sub(r"\.\d+(\.|$)", lambda m: ".*" + m.group(1), name)
+
+
+def _declared_plan(model: nn.Module) -> dict[str, str]:
+    plan = getattr(model, "tp_plan", None)
+    if plan is None:
+        plan = getattr(model, "_tp_plan", None)
+    if not plan:
+        raise ValueError(
+            f"{type(model).__name__} declares no tensor-parallel plan (its tp_plan, merged from "
+            "config.base_model_tp_plan, is empty): build one with fsdptk.build_tp_plan or "
+            "fsdptk.llama_tp_plan instead")
+    return dict(plan)
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def _match(model: nn.Module, rules: Mapping[str, str]) -> dict[str, str]:
+    """Concrete module FQN -> style string, transformers' matching (layer numbers -> ``*``)."""
+    found: dict[str, str] = {}
+    modules = set()
+    for fqn, _ in model.named_modules():
+        modules.update((fqn, _generic(fqn)))
+        if (s := rules.get(fqn, rules.get(_generic(fqn)))) is not None:
+            found[fqn] = s
+    for fqn, _ in model.named_parameters():
+        rule = fqn if fqn in rules else _generic(fqn)
+        if rule in rules and rule not in modules and rules[rule] != "replicate":
+            raise ValueError(
+                f"tp_plan rule '{rule}' -> '{rules[rule]}' names the parameter '{fqn}', not a "
+                "module: parameter-level styles (expert weights, attention sinks) have no "
+                "translation")
+    return found
+
+
+def _translate(string: str, fqn: str, module: nn.Module) -> ParallelStyle | None:
+    if string in REFUSED:
+        raise ValueError(f"tp_plan style '{string}' of module '{fqn}' ({type(module).__name__}) "
+                         f"has no translation: {REFUSED[string]}")
+    if string not in TRANSLATED:
+        raise ValueError(f"tp_plan style '{string}' of module '{fqn}' ({type(module).__name__}) "
+                         f"is unknown; translated styles: {sorted(TRANSLATED)}")
+    kind, make = TRANSLATED[string]
+    if kind is not None and not isinstance(module, kind):
+        raise ValueError(f"tp_plan style '{string}' of module '{fqn}' shards an "
+                         f"nn.{kind.__name__}, but the module is a {type(module).__name__}")
+    return None if make is None else make()
+
+
+def _placement(style: ParallelStyle | None, module: nn.Module, pname: str) -> str:
+    if style is None:
+        return "unsharded"
+    dim = _tp_shard_dims(style, module, None).get(pname)
+    return "replicated" if dim is None else f"Shard({dim})"
+
+
+def _tie(model: nn.Module, strings: Mapping[str, str],
+         styles: Mapping[str, ParallelStyle | None]) -> None:
+    """A Parameter shared by several modules (tied embeddings) must be placed the same way by all
+    of them; their styles are told of each other so that it stays one Parameter."""
+    owners: dict[int, list[tuple[str, str, nn.Module]]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        for pname, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((fqn, pname, module))
+    for group in owners.values():
+        if len(group) < 2:
+            continue
+        where = [(f"{f}.{n}" if f else n, strings.get(f), _placement(styles.get(f), m, n))
+                 for f, n, m in group]
+        desc = ", ".join(f"'{k}' {p} ({s or 'not in the plan'})" for k, s, p in where)
+        if len({p for _, _, p in where}) > 1:
+            raise ValueError(f"tied parameter placed differently by the plan: {desc}; its modules "
+                             "must shard it the same way to stay one Parameter")
+        planned = [(f, n, m) for f, n, m in group if styles.get(f) is not None]
+        if any(not isinstance(styles[f], _KeepTied) for f, _, _ in planned):
+            raise ValueError(f"tied parameter {desc}: only the colwise / rowwise / embedding "
+                             "styles keep a tie; the others would untie it")
+        for f, n, _ in planned:
+            for g, o, other in group:
+                if (g, o) != (f, n):
+                    styles[f].tie(n, other, o)
+
+
+def _heads(model: nn.Module, attn: nn.Module) -> tuple[int, int] | None:
+    cfg = getattr(attn, "config", None)
+    if cfg is None:
+        cfg = getattr(model, "config", None)
+        if cfg is not None and hasattr(cfg, "get_text_config"):
+            cfg = cfg.get_text_config()
+    nq = getattr(cfg, "num_attention_heads", None)
+    if not isinstance(nq, int):
+        return None
+    kv = getattr(cfg, "num_key_value_heads", None)
+    return nq, kv if isinstance(kv, int) else nq
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+def _sequence_parallel(model: nn.Module, strings: Mapping[str, str],
+                       styles: dict[str, ParallelStyle | None], attn_heads: Mapping) -> None:
+    """Rewrite ``styles`` so activations between the blocks stay sharded on the sequence dim."""
+    blocks = sorted({_parent(f) for f, s in strings.items() if s in _ROWWISE})
+    inside = tuple(f"{b}." for b in blocks)
+    outer = {f: s for f, s in strings.items() if not f.startswith(inside)}
+    emb = [f for f, s in outer.items() if s == "embedding_rowwise"]
+    out = [f for f, s in outer.items() if s in ("colwise_gather_output", "colwise_rep")]
+    other = {f: s for f, s in outer.items() if f not in emb + out and s != "replicate"}
+    if not blocks or not emb or not out or other:
+        raise ValueError(
+            f"sequence_parallel=True needs a plan whose rowwise projections close blocks, with the "
+            f"input embedding 'embedding_rowwise' and the output projection "
+            f"'colwise_gather_output' outside them; {type(model).__name__}'s plan has blocks "
+            f"{blocks}, embeddings {emb}, outputs {out} and other modules outside blocks {other}")
+    for f in emb:
+        styles[f] = RowwiseKeepTied(input_layouts=Replicate(), output_layouts=Shard(1),
+                                    use_local_output=False)
+    for f in out:
+        styles[f] = ColwiseKeepTied(input_layouts=Shard(1), output_layouts=Replicate())
+    for f, s in strings.items():
+        if s in _ROWWISE and _parent(f) in blocks:
+            styles[f] = RowwiseKeepTied(
+                input_layouts=Shard(-1) if s == "rowwise" else Replicate(),
+                output_layouts=Shard(1), use_local_output=False)
+    for b in blocks:
+        heads = attn_heads.get(b)
+        styles[b] = (HFAttentionHeads(*heads, gather_sequence=True) if heads
+                     else GatherSequence())
+    for fqn, module in model.named_modules():
+        if fqn in strings or fqn in styles or fqn.startswith(inside) or fqn in blocks:
+            continue
+        if any(True for _ in module.parameters(recurse=False)):
+            if not _is_norm(module):
+                raise ValueError(
+                    f"sequence_parallel=True: '{fqn}' ({type(module).__name__}) holds parameters "
+                    "outside the attention / MLP blocks and is not a norm, so it cannot run on "
+                    "sequence shards; use sequence_parallel=False")
+            styles[fqn] = SequenceParallel(use_local_output=False)
+
+
+def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """Translate a transformers model's own tensor-parallel plan into DTensor ``ParallelStyle``\\ s.
+
+    Reads ``model.tp_plan`` (the config's ``base_model_tp_plan`` merged with the class's entries:
+    ``model.embed_tokens`` -> ``embedding_rowwise``, ``lm_head`` -> ``colwise_gather_output``, ...),
+    matches its wildcard rules against the concrete module FQNs the way transformers does (layer
+    numbers become ``*``), and translates every style string into torch's styles with the same
+    layouts (see the table in :mod:`fsdptk._hf_tp`). Attention modules whose k/v projections are
+    colwise get an :class:`HFAttentionHeads` entry: the head counts are validated by
+    :func:`fsdptk.apply_tp` before anything changes, and GQA with fewer KV heads than TP ranks uses
+    :class:`~fsdptk.tp_plan.ReplicatedKVColwise`. A tied input embedding / ``lm_head`` (both
+    placed ``Shard(0)`` over the vocabulary) stays one Parameter when the plan is applied.
+
+    With ``sequence_parallel`` the activations between the attention / MLP blocks stay sharded on
+    the sequence dim (its length must divide by the TP size): the embedding reduce-scatters, the
+    norms between blocks are ``SequenceParallel``, each block gathers its input and its rowwise
+    projection reduce-scatters, ``lm_head`` gathers. transformers' plans do not do this themselves.
+
+    The model is only read. Call it on the unsharded model (``meta`` is fine), then
+    ``apply_tp(model, mesh["tp"], plan)`` before activation checkpointing and ``shard_model``.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (any device, including meta).
+        sequence_parallel: shard activations on the sequence dim between blocks.
+
+    Returns:
+        dict[str, ParallelStyle]: exact module FQN -> style, in ``named_modules`` order, for
+        :func:`fsdptk.apply_tp`.
+
+    Raises:
+        ValueError: if the model declares no plan; if a style string has no translation (the
+            message names the string and the module FQN) or targets the wrong module type; if a
+            rule names a parameter rather than a module; if a tied parameter would be placed two
+            ways; if ``sequence_parallel`` is asked of a plan without an embedding / output pair
+            around its blocks.
+
+    Example:
+        >>> dims = ParallelDims(dp_shard=2, tp=2)
+        >>> mesh = dims.build_mesh("cuda")
+        >>> plan = hf_tp_plan(model)
+        >>> plan["model.layers.0.self_attn.q_proj"]
+        ColwiseKeepTied(input_layouts=(Replicate(),), output_layouts=(Shard(dim=-1),), ...)
+        >>> apply_tp(model, mesh["tp"], plan)
+        >>> shard_model(model, no_split_modules(model), cpu_offload=False, dp_mesh=dims.fsdp_mesh)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    strings = _match(model, _declared_plan(model))
+    modules = dict(model.named_modules())
+    styles: dict[str, ParallelStyle | None] = {
+        f: _translate(s, f, modules[f]) for f, s in strings.items()}
+
+    attn_heads: dict[str, tuple[int, int]] = {}
+    for f, s in strings.items():
+        parent = _parent(f)
+        if s == "colwise" and f.rpartition(".")[2] in _KV_LEAVES and parent in modules:
+            heads = _heads(model, modules[parent])
+            if heads is None:
+                continue
+            attn_heads[parent] = heads
+            if heads[1] < heads[0]:  # GQA: KV heads may be fewer than TP ranks
+                styles[f] = ReplicatedKVColwise(heads[1])
+    for parent, heads in attn_heads.items():
+        if parent not in strings:  # never replace a style the model declares for it
+            styles[parent] = HFAttentionHeads(*heads)
+    if sequence_parallel:
+        _sequence_parallel(model, strings, styles, attn_heads)
+    _tie(model, strings, styles)
+    return {f: styles[f] for f in modules if styles.get(f) is not None}
+
+
+# --------------------------------------------------------------------- per-rank bytes (planner)
+def _tp_shard_dims(style: ParallelStyle | None, module: nn.Module, tp: int | None
+                   ) -> dict[str, int]:
+    """Parameter name -> the dim the style shards over ``tp`` ranks (absent: whole on every
+    rank; ReplicatedKVColwise's split depends on ``tp``: none when it is unknown)."""
+    emb = isinstance(module, nn.Embedding)
+    names = [n for n, _ in module.named_parameters(recurse=False)]
+    if isinstance(style, ReplicatedKVColwise):
+        return {n: 0 for n in names} if tp and style.num_kv_heads % tp == 0 else {}
+    if isinstance(style, ColwiseParallel):
+        return {n: 1 if emb else 0 for n in names}
+    if isinstance(style, RowwiseParallel):
+        return {n: 0 if emb else 1 for n in names if emb or n != "bias"}
+    return {}
+
+
+def describe_hf_2d(model: nn.Module, shard_conditions: Any, *, world_size: int, tp: int,
+                   sequence_parallel: bool = False) -> Any:
+    """The TP x FSDP sharding plan of a transformers model, computed on its ``meta`` build.
+
+    Translates the model's own TP plan (:func:`hf_tp_plan`, head counts checked as
+    :func:`fsdptk.apply_tp` would), then describes FSDP over ``world_size // tp`` ranks of each
+    parameter's TP-rank-0 shard (the largest one when a dim does not divide), with the planner
+    ``shard_model`` uses. The model is a throwaway: each TP-sharded parameter gets a ``to_local``
+    returning a ``meta`` tensor of its shard's shape.
+
+    Args:
+        model: a transformers model on ``meta`` (e.g. :func:`fsdptk.hf.hf_meta_model`).
+        shard_conditions: the FSDP unit conditions (e.g. ``no_split_modules(model)``).
+        world_size: all ranks (``dp_shard * tp``).
+        tp: the tensor-parallel degree (a divisor of ``world_size``).
+        sequence_parallel: translate the plan as ``hf_tp_plan(..., sequence_parallel=True)``.
+
+    Returns:
+        ShardingPlan: units, full bytes and bytes per rank (TP shard, then FSDP shard).
+
+    Raises:
+        ValueError: ``tp`` does not divide ``world_size``, the plan has no translation, or the
+            head counts do not split over ``tp`` ranks.
+
+    Example:
+        >>> plan = describe_hf_2d(hf_meta_model("ckpt"), no_split_modules(model),
+        ...                       world_size=8, tp=2)  # doctest: +SKIP
+        >>> plan.total_bytes_per_rank  # doctest: +SKIP
+    """
+    from fsdptk.sharding import describe_sharding
+
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world_size % tp:
+        raise ValueError(f"tp ({tp}) must be a positive divisor of the world size ({world_size})")
+    plan = hf_tp_plan(model, sequence_parallel=sequence_parallel)
+    for fqn, style in plan.items():
+        module = model.get_submodule(fqn)
+        check = getattr(style, "_check", None)
+        if callable(check):
+            check(module, tp, fqn)
+        for pname, dim in _tp_shard_dims(style, module, tp).items():
+            param = module._parameters[pname]
+            shape = torch.empty(param.shape, device="meta").chunk(tp, dim=dim)[0].shape
+            param.to_local = lambda shape=shape: torch.empty(shape, device="meta")
+    return describe_sharding(model, shard_conditions, world_size=world_size // tp)

@@ -1,0 +1,342 @@
+"""GPU-only checks (issue 15): CPU offload, bf16 mixed precision over NCCL, NCCL round trips, CUDA
+memory. Every test here is marked ``gpu``: skipped with a reason where CUDA is not available, and
+selected on a GPU machine by ``python -m pytest -m gpu`` (docs/testing.md, "GPU checks").
+
+Each rank drives ``cuda:<rank>`` in a persistent :class:`fsdptk.testing.World` with an NCCL (or,
+for CPU offload, ``cuda:nccl,cpu:gloo``) process group; the references are single-process fp32 runs
+on CPU computed on every rank from the same seed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fsdptk.testing import World
+
+pytestmark = pytest.mark.gpu
+
+_MAX_WORLD = 4
+
+
+# ---------------------------------------------------------------------------------------------
+# the model, data and reference (module level: they run on the ranks)
+
+
+class _Net(nn.Module):
+    """Embedding, residual MLP layers (the FSDP units), LayerNorm, head: every kind of shard."""
+
+    def __init__(self, vocab: int, dim: int, hidden: int, n_layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return self.head(self.norm(h))
+
+
+_SMALL = {"vocab": 33, "dim": 12, "hidden": 20, "n_layers": 2}  # uneven shards at 2, 3 and 4 ranks
+_B, _T = 2, 8  # per-rank batch
+
+
+def _full_sd(cfg: dict, seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return {k: v.detach().clone() for k, v in _Net(**cfg).state_dict().items()}
+
+
+def _batch(cfg: dict, step: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of a step (the same whatever steps were taken before: resumable)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, cfg["vocab"], (world * _B, _T), generator=g)
+    return x, torch.randint(0, cfg["vocab"], (world * _B, _T), generator=g)
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def _reference(cfg: dict, sd: dict, steps: int, world: int, opt_cls, lr: float) -> tuple[list[float], dict]:
+    """fp32, one process, CPU, the full batch (the mean over ranks of equal slices)."""
+    ref = _Net(**cfg)
+    ref.load_state_dict(sd)
+    opt = opt_cls(ref.parameters(), lr=lr)
+    losses = []
+    for s in range(steps):
+        x, y = _batch(cfg, s, world)
+        loss = _loss(ref(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", dist.get_rank()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _meta_model(cfg: dict, *, cpu_offload: bool = False, mp_policy=None) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdptk import shard_model
+    from fsdptk.predicates import layers
+
+    with torch.device("meta"):
+        model = _Net(**cfg)
+    mesh = init_device_mesh(_device().type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    shard_model(model, [layers()], cpu_offload=cpu_offload, dp_mesh=mesh, mp_policy=mp_policy)
+    return model
+
+
+def _device_mismatches(tensors) -> list[str]:
+    """Every DTensor must be where its local tensor is (the issue-15 invariant)."""
+    from torch.distributed.tensor import DTensor
+
+    return [f"{name}: DTensor on {t.device}, local tensor on {t.to_local().device}"
+            for name, t in tensors if isinstance(t, DTensor) and t.device != t.to_local().device]
+
+
+def _train(model: nn.Module, opt, cfg: dict, steps: range, world: int, device: torch.device) -> list[float]:
+    """Steps of data-parallel training: rank r takes rows [r*B, (r+1)*B) of each global batch."""
+    rank = dist.get_rank()
+    losses = []
+    for s in steps:
+        xs, ys = (t[rank * _B:(rank + 1) * _B].to(device) for t in _batch(cfg, s, world))
+        logits = model(xs)
+        loss = _loss(logits, ys)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().reshape(1).to(device)
+        dist.all_reduce(mean)  # equal slices: the mean of the ranks' losses is the full-batch loss
+        losses.append(mean.item() / world)
+    return losses
+
+
+def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
+    from fsdptk import gather_cpu_state_dict
+
+    return gather_cpu_state_dict(model, dist.get_rank() == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# worlds
+
+
+@pytest.fixture(scope="module")
+def gpu_world():
+    """``gpu_world(n, backend)``: a persistent n-rank World on cuda:0..n-1 (skips if too few GPUs)."""
+    worlds: dict[tuple[int, str], World] = {}
+
+    def get(n: int, backend: str = "nccl") -> World:
+        if torch.cuda.device_count() < n:
+            pytest.skip(f"needs {n} GPUs, torch.cuda.device_count() is {torch.cuda.device_count()}")
+        if (n, backend) not in worlds:
+            worlds[(n, backend)] = World(n, backend=backend, timeout=300)
+        return worlds[(n, backend)]
+
+    yield get
+    for w in worlds.values():
+        w.close()
+
+
+def _gpu_worlds() -> list[int]:
+    return list(range(1, _MAX_WORLD + 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU offload: load (in-memory and safetensors), train, optimizer save / load, resume
+
+
+def _offload_train(tmp: str, steps: int, more: int, lr: float) -> dict:
+    from fsdptk import (get_full_optimizer_state_dict, load_from_full_model_state_dict,
+                        load_from_full_optimizer_state_dict, load_safetensors, save_safetensors)
+
+    rank, world, device = dist.get_rank(), dist.get_world_size(), _device()
+    cfg = _SMALL
+    sd = _full_sd(cfg, 0)
+    model = _meta_model(cfg, cpu_offload=True)
+    load_from_full_model_state_dict(model, dict(sd) if rank == 0 else {}, device, strict=True,
+                                    cpu_offload=True, broadcast_from_rank0=True)
+    bad = _device_mismatches(model.named_parameters())
+    on_cpu = all(p.to_local().device.type == "cpu" for p in model.parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    losses = _train(model, opt, cfg, range(steps), world, device)  # FSDP2's lazy init runs here
+    bad += _device_mismatches(model.named_parameters())
+
+    # checkpoint: model as safetensors, optimizer as the full FQN-keyed state on rank 0
+    save_safetensors(model, f"{tmp}/ckpt")
+    osd = get_full_optimizer_state_dict(model, opt, rank == 0)
+    resumed = _meta_model(cfg, cpu_offload=True)
+    load_safetensors(resumed, f"{tmp}/ckpt", device=device, strict=True, cpu_offload=True)
+    bad += _device_mismatches(resumed.named_parameters())
+    opt2 = torch.optim.Adam(resumed.parameters(), lr=lr)
+    load_from_full_optimizer_state_dict(resumed, opt2, osd if rank == 0 else {}, device,
+                                        broadcast_from_rank0=True)
+    state = [(f"state.{i}.{k}", v) for i, s in enumerate(opt2.state.values()) for k, v in s.items()
+             if isinstance(v, torch.Tensor)]
+    bad += _device_mismatches(state)
+    state_on_cpu = all(getattr(v, "_local_tensor", v).device.type == "cpu" for _, v in state)
+
+    cont = _train(model, opt, cfg, range(steps, steps + more), world, device)
+    cont2 = _train(resumed, opt2, cfg, range(steps, steps + more), world, device)
+    a, b = _gathered(model), _gathered(resumed)
+    bad += _device_mismatches(resumed.named_parameters())
+    return {"bad": bad, "on_cpu": on_cpu, "state_on_cpu": state_on_cpu, "n_state": len(state),
+            "losses": losses + cont, "resumed_losses": cont2, "full": a,
+            "identical": rank != 0 or (list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a))}
+
+
+def test_cpu_offload_trains_like_one_process_and_resumes_bit_identically(gpu_world, tmp_path) -> None:
+    n = min(2, torch.cuda.device_count())
+    steps, more, lr = 3, 2, 1e-2
+    res = gpu_world(n, "cuda:nccl,cpu:gloo").run(_offload_train, str(tmp_path), steps, more, lr)
+    for r, out in enumerate(res):
+        assert out["bad"] == [], f"rank {r}: {out['bad']}"
+        assert out["on_cpu"] and out["state_on_cpu"] and out["n_state"] > 0, r
+        assert out["resumed_losses"] == out["losses"][steps:], r  # resume is bit-identical
+    assert res[0]["identical"]
+    losses, ref = _reference(_SMALL, _full_sd(_SMALL, 0), steps + more, n, torch.optim.Adam, lr)
+    torch.testing.assert_close(res[0]["losses"], losses, atol=1e-4, rtol=1e-4)
+    for k, v in ref.items():
+        torch.testing.assert_close(res[0]["full"][k], v, atol=1e-4, rtol=1e-4, msg=k)
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 mixed precision over NCCL against the fp32 single-process reference
+
+
+def _bf16_train(steps: int, lr: float) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from fsdptk import load_from_full_model_state_dict
+
+    device = _device()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _meta_model(_SMALL, mp_policy=mp)
+    load_from_full_model_state_dict(model, _full_sd(_SMALL, 0), device, strict=True)
+    bad = _device_mismatches(model.named_parameters())
+    x = torch.zeros(1, _T, dtype=torch.long, device=device)
+    with torch.no_grad():
+        compute_dtype = model(x).dtype
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = _train(model, opt, _SMALL, range(steps), dist.get_world_size(), device)
+    return {"bad": bad, "compute_dtype": compute_dtype, "losses": losses, "full": _gathered(model),
+            "param_dtype": {str(p.dtype) for p in model.parameters()}}
+
+
+def test_bf16_mixed_precision_over_nccl_matches_fp32_reference(gpu_world) -> None:
+    n = min(2, torch.cuda.device_count())
+    steps, lr = 4, 0.5
+    res = gpu_world(n).run(_bf16_train, steps, lr)
+    for r, out in enumerate(res):
+        assert out["bad"] == [], f"rank {r}: {out['bad']}"
+        # the forward ran in bf16 (not a vacuous comparison) while the sharded params stay fp32
+        assert out["compute_dtype"] == torch.bfloat16 and out["param_dtype"] == {"torch.float32"}, r
+    sd = _full_sd(_SMALL, 0)
+    losses, ref = _reference(_SMALL, sd, steps, n, torch.optim.SGD, lr)
+    # tolerances: bf16 compute vs fp32 (the same rank functions on CPU/gloo differ by <= 7e-4)
+    torch.testing.assert_close(res[0]["losses"], losses, atol=0, rtol=5e-3)
+    moved = max(float((ref[k] - sd[k]).abs().max()) for k in ref)
+    assert moved > 0.05, f"the reference barely trained (max change {moved}); the check would be vacuous"
+    for k, v in ref.items():
+        torch.testing.assert_close(res[0]["full"][k], v, atol=3e-3, rtol=1e-2, msg=k)
+
+
+# ---------------------------------------------------------------------------------------------
+# NCCL round trips at every world size the machine allows
+
+
+def _round_trip(tmp: str) -> dict:
+    from fsdptk import load_from_full_model_state_dict, load_safetensors, save_safetensors
+
+    rank, device = dist.get_rank(), _device()
+    sd = _full_sd(_SMALL, 7)
+    out: dict = {"bad": [], "equal": {}}
+    for how in ("every_rank", "rank0"):
+        model = _meta_model(_SMALL)
+        src = dict(sd) if how == "every_rank" or rank == 0 else {}
+        load_from_full_model_state_dict(model, src, device, strict=True, broadcast_from_rank0=how == "rank0")
+        out["bad"] += _device_mismatches(model.named_parameters())
+        out["bad"] += [f"{n}: local on {p.to_local().device}" for n, p in model.named_parameters()
+                       if p.to_local().device != device]
+        got = _gathered(model)
+        out["equal"][f"load_{how}+gather"] = rank != 0 or _same(got, sd)
+        if how == "rank0":
+            save_safetensors(model, f"{tmp}/ckpt")
+            if rank == 0:
+                from safetensors.torch import load_file
+
+                out["equal"]["save_safetensors"] = _same(load_file(f"{tmp}/ckpt/model.safetensors"), sd)
+            dist.barrier()
+    for shard_on_read in (True, False):
+        model = _meta_model(_SMALL)
+        load_safetensors(model, f"{tmp}/ckpt", device=device, strict=True, shard_on_read=shard_on_read)
+        out["bad"] += _device_mismatches(model.named_parameters())
+        got = _gathered(model)  # a collective: every rank calls it
+        out["equal"][f"load_safetensors(shard_on_read={shard_on_read})"] = rank != 0 or _same(got, sd)
+    return out
+
+
+def _same(got: dict, want: dict) -> bool:
+    return sorted(got) == sorted(want) and all(
+        got[k].dtype == want[k].dtype and got[k].device.type == "cpu" and torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("n", _gpu_worlds())
+def test_nccl_load_gather_save_round_trips(gpu_world, tmp_path, n: int) -> None:
+    res = gpu_world(n).run(_round_trip, str(tmp_path))
+    for r, out in enumerate(res):
+        assert out["bad"] == [], f"rank {r}: {out['bad']}"
+        assert out["equal"] and all(out["equal"].values()), f"rank {r}: {out['equal']}"
+    assert "save_safetensors" in res[0]["equal"]
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA peak memory per rank: a broadcast_from_rank0 load holds its shards + at most one bucket
+
+
+_BIG = {"vocab": 480, "dim": 240, "hidden": 960, "n_layers": 4}  # ~8 MB fp32; rows divide by 2, 3, 4
+
+
+def _load_peak(bucket_bytes: int) -> dict:
+    from fsdptk import load_from_full_model_state_dict
+
+    rank, device = dist.get_rank(), _device()
+    sd = _full_sd(_BIG, 3) if rank == 0 else {}  # host memory: the full state never goes to a GPU whole
+    model = _meta_model(_BIG)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    load_from_full_model_state_dict(model, sd, device, strict=True, broadcast_from_rank0=True,
+                                    bucket_bytes=bucket_bytes)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    shards = sum(p.to_local().nbytes for p in model.parameters())
+    total = sum(v.nbytes for v in sd.values())
+    return {"peak": peak, "shard_bytes": shards, "full_bytes": total,
+            "bad": _device_mismatches(model.named_parameters())}
+
+
+def test_cuda_peak_memory_of_a_rank0_load_is_shards_plus_one_bucket(gpu_world) -> None:
+    n = min(torch.cuda.device_count(), _MAX_WORLD)
+    if n < 2:
+        pytest.skip(f"needs 2 GPUs (a sender and a receiver), torch.cuda.device_count() is {n}")
+    bucket = 1 << 20
+    res = gpu_world(n).run(_load_peak, bucket)
+    full = res[0]["full_bytes"]
+    assert full > 6 * bucket  # many buckets, else the bound says nothing
+    for r, out in enumerate(res):
+        assert out["bad"] == [], f"rank {r}: {out['bad']}"
+    table = [(r, out["peak"], out["shard_bytes"]) for r, out in enumerate(res)]
+    for r, peak, shards in table[1:]:
+        assert peak <= shards + bucket, f"rank {r}: CUDA peak {peak} > shards {shards} + bucket {bucket}; {table}"
