@@ -8,11 +8,11 @@ the same "rotate half" layout, so a Llama checkpoint in HF layout (``config.json
 
 Nothing here knows about FSDP: the training script shards this model with fsdptk.
 
-Meta-device construction: build under ``torch.device("meta")``, shard, materialise with
-``to_empty``, then either load weights or call :meth:`LlamaForCausalLM.init_weights`; the RoPE cache
-is not part of any state dict, so after ``to_empty`` it must be recomputed with
-:meth:`RotaryEmbedding.reset_buffers` (``init_weights`` and :func:`reset_non_persistent_buffers`
-do that).
+Meta-device construction: build under ``torch.device("meta")``, shard, then either load weights
+with an fsdptk loader (it allocates the shards and recomputes the RoPE cache, which is in no state
+dict, through :meth:`RotaryEmbedding.reset_buffers`) or, to train from scratch, call
+``fsdptk.materialize(model, device)`` (never a bare ``to_empty``: it leaves uninitialised memory)
+and then :meth:`LlamaForCausalLM.init_weights`.
 """
 
 from __future__ import annotations
@@ -132,8 +132,8 @@ class RotaryEmbedding(nn.Module):
     """RoPE cos/sin tables for positions ``0..max_seq_len-1``, kept as NON-persistent buffers.
 
     The tables are not in the state dict: they are derived from the shape. A model built on the
-    meta device and materialised with ``to_empty`` holds garbage here until :meth:`reset_buffers`
-    recomputes them.
+    meta device gets them from fsdptk's loaders or ``fsdptk.materialize`` (both call
+    :meth:`reset_buffers`); a bare ``to_empty`` would leave garbage here.
     """
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0) -> None:

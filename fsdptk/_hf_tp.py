@@ -425,6 +425,7 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str
         :func:`fsdptk.apply_tp`.
 
     Raises:
+        TypeError: if ``model`` is not an ``nn.Module``.
         ValueError: if the model declares no plan; if a style string has no translation (the
             message names the string and the module FQN) or targets the wrong module type; if a
             rule names a parameter rather than a module; if a tied parameter would be placed two

@@ -22,7 +22,8 @@ uninitialised memory. This module gives three ways out, all used by fsdptk's loa
   redraw a parameter or touch a loaded value. It runs on CPU (under ``torch.device("cpu")``), as in
   a CPU-built model, so the values are bit-identical to the ones the constructor computes; they are
   cast to the buffer's dtype and moved to the target device afterwards. A rule "applies" when it
-  writes every wanted buffer; a rule that raises or leaves one unset hands over to the next;
+  writes every wanted buffer. An automatic rule (3 to 5) that raises or leaves one unset hands over
+  to the next; an explicit one (1 or 2) is final: its failure is the error, naming its cause;
 - keep them real: build under :func:`params_on_meta` (parameters on ``meta``, buffers computed as
   usual); the loaders then keep those values and move them to the target device;
 - replace ``to_empty``: :func:`materialize` allocates a ``meta`` model on a device with zeros (never

@@ -190,7 +190,7 @@ def load_safetensors(
         strict: raise when keys are missing or unexpected (as ``load_state_dict``).
         cpu_offload: keep the loaded shards on CPU (FSDP2 CPU offload).
         bucket_bytes: full-tensor bytes per scatter bucket for rank-0-read (default: the engine's,
-            128 MiB); bounds rank 0's memory beyond its shards.
+            16 MiB); bounds rank 0's memory beyond its shards.
         progress: a tqdm bar of checkpoint bytes on rank 0 (``None``: only on a terminal).
         init_buffers: ``fn(module)`` computing the non-persistent buffers (in no checkpoint) of a
             module that has some on ``meta``, overriding the automatic rules (Hugging Face's init
@@ -205,9 +205,10 @@ def load_safetensors(
         FileNotFoundError: no checkpoint at ``path`` (or a shard missing), on every rank.
         CheckpointError: a corrupt/truncated file, an index naming a key its file lacks, on every
             rank.
-        ValueError: a rename collision, a shape mismatch, or strict with missing/unexpected keys;
-            non-persistent buffers on ``meta`` that no rule can compute (names them and the
-            remedies).
+        ValueError: a rename collision, a shape mismatch; non-persistent buffers on ``meta``
+            that no rule can compute (names them and the remedies), on every rank.
+        RuntimeError: ``strict=True`` with missing or unexpected keys (listing them), on every
+            rank before the model changes.
 
     Example:
         >>> import tempfile, torch
@@ -328,7 +329,7 @@ def save_safetensors(
         dtype: cast floating tensors to this dtype in the file (integer tensors are kept).
         rename: model name -> file name: a callable (``None`` skips the key) or a Mapping.
         metadata: extra string metadata for every file's header (``format: pt`` is always set).
-        bucket_bytes: full-tensor bytes gathered per step (default: the engine's, 128 MiB): rank
+        bucket_bytes: full-tensor bytes gathered per step (default: the engine's, 16 MiB): rank
             0's memory beyond its own shards is about one bucket.
         progress: a tqdm bar of bytes written on rank 0 (``None``: only on a terminal).
         write_config: when the model carries a Hugging Face config (``model.config``), also write
@@ -341,7 +342,10 @@ def save_safetensors(
         Path: the index file, or the single ``model.safetensors`` (on every rank).
 
     Raises:
-        ValueError: bad ``tied`` / ``max_shard_size``, or a rename collision (every rank).
+        ValueError: bad ``tied`` / ``max_shard_size``, a rename collision, or (``write_config``)
+            transformers' save-time validation refuses the model's config; every rank, before any
+            tensor moves.
+        TypeError: ``dtype`` is not a floating ``torch.dtype``.
         OSError: the directory cannot be created or written, or has too little free space; raised
             on every rank, with no file of the new checkpoint left behind.
         CheckpointLockedError: another writer is saving to ``path`` (a ``BlockingIOError`` naming

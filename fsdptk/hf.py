@@ -12,6 +12,8 @@ files are symlinks into ``blobs/``).
   accelerate use for FSDP auto-wrapping.
 - :func:`save_hf_config`: ``config.json`` (and ``generation_config.json``) as ``save_pretrained``
   writes them; :func:`fsdptk.save_safetensors` does this itself for a model with an HF config.
+- :func:`hf_tp_plan` (defined in ``fsdptk._hf_tp``): the model's own tensor-parallel plan as
+  DTensor ``ParallelStyle`` objects for :func:`fsdptk.apply_tp` (see docs/hf_2d.md).
 
 Example:
     >>> from transformers import LlamaConfig
@@ -37,7 +39,7 @@ from torch import nn
 
 from fsdptk.predicates import no_split_modules
 
-__all__ = ["hf_meta_model", "no_split_modules", "save_hf_config", "hf_config"]
+__all__ = ["hf_meta_model", "no_split_modules", "save_hf_config", "hf_config", "hf_tp_plan"]
 
 PathLike = str | os.PathLike[str]
 

@@ -149,22 +149,29 @@ def _buffer_plan(model: nn.Module, broadcast_from_rank0: bool, init_buffers: Buf
     return values, send
 
 
-def _send_buffers(model: nn.Module, fqns: list[str], device: torch.device) -> None:
+def _receive_buffers(model: nn.Module, fqns: list[str], device: torch.device,
+                     ) -> dict[str, torch.Tensor]:
     """Rank 0's real values of meta non-persistent buffers -> every rank (scattered by the engine).
 
-    The engine's generator is exhausted before anything is assigned: its last steps wait for rank
-    0's sends (stopping early left them pending and hung the next collective).
+    Returns fqn -> value; nothing is assigned here (the caller assigns once every transfer of the
+    load has succeeded). The engine's generator is exhausted: its last steps wait for rank 0's
+    sends (stopping early left them pending and hung the next collective).
     """
     if not fqns:
-        return
+        return {}
     modules = dict(model.named_modules())
     owners = [(modules[f.rpartition(".")[0]], f.rpartition(".")[2]) for f in fqns]
     targets = [(f, mod._buffers[n]) for f, (mod, n) in zip(fqns, owners)]
     source = dict(targets) if _engine._world()[1] == 0 else {}
     plan = _engine.agree(targets, source, src_rank0=True)
-    received = dict(_engine.distribute(plan, source, device=device))
-    for f, (mod, n) in zip(fqns, owners):
-        mod._buffers[n] = received[f]
+    return dict(_engine.distribute(plan, source, device=device))
+
+
+def _assign_buffers(model: nn.Module, received: Mapping[str, torch.Tensor]) -> None:
+    modules = dict(model.named_modules())
+    for fqn, value in received.items():
+        mod_name, _, name = fqn.rpartition(".")
+        modules[mod_name]._buffers[name] = value
 
 
 def _check_strict(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
@@ -214,8 +221,10 @@ def load_from_full_model_state_dict(
             KEEPS ALL ITS KEYS, and the value of every key that was loaded into the model (tied
             aliases included; on every rank that holds it) is replaced by a ``meta`` tensor of the
             same shape and dtype (no storage); unexpected keys keep their values. A mapping that
-            does not support item assignment (a lazy checkpoint view) is left as it is. ``False``
-            leaves the caller's mapping untouched.
+            does not support item assignment (a lazy checkpoint view) is left as it is. Entries are
+            released as they are used, so after a failed load the ones used before the failure are
+            already ``meta``: retry from the checkpoint, not from that dict. ``False`` leaves the
+            caller's mapping untouched.
         broadcast_from_rank0: only rank 0 reads ``full_sd``; each rank receives only its own shard
             bytes, scattered from rank 0 bucket by bucket.
         bucket_bytes: full-tensor bytes per bucket (default 16 MiB: rank 0 packs the next bucket while the previous one is in flight).
@@ -268,6 +277,8 @@ def load_from_full_model_state_dict(
     if strict:
         _check_strict(model, missing, plan.unexpected)
     recomputed, send = _buffer_plan(model, broadcast_from_rank0, init_buffers)
+    # rank 0's buffers first, kept aside: a failure here (agreed on every rank) changes nothing
+    sent = _receive_buffers(model, send, device)
     # validation is over on every rank: from here on the model changes
     params = {id(p) for p in model.parameters()}
     by_fqn = dict(targets)
@@ -293,7 +304,7 @@ def load_from_full_model_state_dict(
         for fqn in plan.keys:  # never read here, but released like rank 0's (same contract)
             if fqn in source:
                 del source[fqn]
-    _send_buffers(model, send, device)
+    _assign_buffers(model, sent)
     _buffers._assign(model, recomputed, device)
     _buffers._move_real_nonpersistent(model, device)
     return _IncompatibleKeys(missing, list(plan.unexpected))

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Quickstart command 2: set up ./.venv and run the whole test suite.
+# Quickstart command 2 (and what .ci/run runs): set up ./.venv and run the whole test suite: the
+# main suite (tests/) in ./.venv, then the torchtune parity suite (tests_peers/) in ./.venv-peers
+# (torchtune 0.6.1, torchao 0.14.1, accelerate; created by benchmarks/setup_peers.sh).
 #
-# Usage: bash scripts/test.sh [--peers] [pytest args...]
-#   --peers   afterwards, also create ./.venv-peers (torchtune 0.6.1, torchao 0.14.1, accelerate;
-#             benchmarks/setup_peers.sh) and run the torchtune parity suite tests_peers/ in it.
-#             This is what .ci/run does.
+# Usage: bash scripts/test.sh [--no-peers] [pytest args for the main suite...]
+#   --no-peers   only the main suite (no ./.venv-peers), e.g. for a quick local run
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PEERS=0
-if [ "${1:-}" = "--peers" ]; then
-    PEERS=1
+PEERS=1
+if [ "${1:-}" = "--no-peers" ]; then
+    PEERS=0
     shift
 fi
 bash scripts/setup.sh test

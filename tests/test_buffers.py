@@ -241,6 +241,26 @@ def test_registry_init_buffers_and_precedence(tmp_path):
         handle.remove()
     with pytest.raises(TypeError, match="fn must be callable"):
         register_buffer_init(ArticleRotary, None)  # type: ignore[arg-type]
+    for bad in ("ArticleRotary", (), (ArticleRotary, "x")):
+        with pytest.raises(TypeError, match="match must be a module class"):
+            register_buffer_init(bad, mine)  # type: ignore[arg-type]
+
+
+def test_an_explicit_rule_that_fails_is_final():
+    # ArticleRotary has an automatic rule (reset_parameters), yet a failing registration or
+    # init_buffers= is the error: it never falls back silently to another rule
+    handle = register_buffer_init(ArticleRotary, lambda m: None)  # leaves the buffers unset
+    try:
+        with torch.device("meta"):
+            model = ArticleRotary(4, 3)
+        with pytest.raises(ValueError, match=r"left \['cos', 'sin'\] unset"):
+            materialize(model, "cpu")
+        assert model.cos.is_meta  # untouched
+    finally:
+        handle.remove()
+    with pytest.raises(ValueError, match="init_buffers raised ZeroDivisionError"):
+        materialize(model, "cpu", init_buffers=lambda m: 1 / 0)
+    assert torch.equal(materialize(model, "cpu").cos, ArticleRotary(4, 3).cos)  # automatic rule
 
 
 def test_no_rule_error_names_buffers_and_remedies_and_changes_nothing():
@@ -414,6 +434,45 @@ def _stress(loads: int):
         ok.append(_same_buffers(model, ref)
                   and torch.equal(model.layers[1].weight.full_tensor(), ref.layers[1].weight))
     return ok
+
+
+def _buffer_send_fails_on_rank0():
+    import fsdptk._engine as engine
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    if rank == 0:
+        model = _Stress()
+    else:
+        with torch.device("meta"):
+            model = _Stress()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    sd = _Stress().state_dict() if rank == 0 else {}
+    inner = engine._rank0_pieces
+
+    def flaky(plan, *args):  # only the scatter of rank 0's buffers (MaskOnly has no rule) fails
+        if "body.mask" in plan.keys:
+            raise OSError("reading the mask failed")
+        return inner(plan, *args)
+
+    engine._rank0_pieces = flaky
+    try:
+        load_from_full_model_state_dict(model, sd, "cpu", broadcast_from_rank0=True)
+        got = "no error"
+    except OSError as e:
+        got = str(e)
+    finally:
+        engine._rank0_pieces = inner
+    local = [p.to_local() for p in model.parameters()]
+    untouched = rank == 0 or (all(t.is_meta for t in local) and model.body.mask.is_meta)
+    return "reading the mask failed" in got, untouched
+
+
+def test_a_failed_buffer_send_leaves_the_model_untouched(world):
+    assert world(2).run(_buffer_send_fails_on_rank0, timeout=60) == [(True, True)] * 2
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -231,6 +231,22 @@ def test_save_safetensors_writes_the_config_save_pretrained_writes(tmp_path):
         save_hf_config(torch.nn.Linear(2, 2), tmp_path / "cfg")
 
 
+def test_hf_config_finds_the_config_of_plain_and_sharded_models():
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdptk.hf import hf_config
+
+    model = hf_meta_model(_config("qwen2"))
+    assert hf_config(model) is model.config
+    # fully_shard swaps the class for FSDP<Class>: the config is still found
+    wrapped = type("FSDPQwen2ForCausalLM", (FSDPModule, type(model)), {})
+    model.__class__ = wrapped
+    assert hf_config(model) is model.config
+    holder = torch.nn.Linear(2, 2)
+    holder.config = {"hidden_size": 2}  # a dict is not an HF config: nothing to save
+    assert hf_config(holder) is None and hf_config(torch.nn.Linear(2, 2)) is None
+
+
 def test_a_failed_save_leaves_no_new_config(tmp_path, monkeypatch):
     from fsdptk import checkpoint
 

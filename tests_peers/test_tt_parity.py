@@ -265,29 +265,31 @@ def _sharding_layout(reshard: bool, ac: bool):
 # tests
 
 
-@pytest.mark.parametrize("variant", ["lora", "dora", "qlora", "qlora+ac"])
-def test_load_and_gather_match_torchtune(world, variant):
-    for rank, out in enumerate(world(2).run(_load_and_gather, variant)):
+@pytest.mark.parametrize("n, variant", [(2, "lora"), (2, "dora"), (2, "qlora"), (2, "qlora+ac"),
+                                        (4, "lora"), (4, "qlora")])
+def test_load_and_gather_match_torchtune(world, n, variant):
+    for rank, out in enumerate(world(n).run(_load_and_gather, variant)):
         bad = {k: v for k, v in out.items() if v not in (True, [])}
         assert not bad, f"rank {rank}: {bad}"
 
 
-@pytest.mark.parametrize("variant", ["lora", "qlora"])
-def test_adamw_steps_and_optimizer_round_trip_match_torchtune(world, variant):
-    for rank, out in enumerate(world(2).run(_steps_and_optimizer_round_trip, variant)):
+@pytest.mark.parametrize("n, variant", [(2, "lora"), (2, "qlora"), (4, "lora")])
+def test_adamw_steps_and_optimizer_round_trip_match_torchtune(world, n, variant):
+    for rank, out in enumerate(world(n).run(_steps_and_optimizer_round_trip, variant)):
         bad = {k: v for k, v in out.items() if v not in (True, [])}
         assert not bad, f"rank {rank}: {bad}"
 
 
-def test_caller_dict_after_load_keeps_keys(world):
+@pytest.mark.parametrize("n", [2, 4])
+def test_caller_dict_after_load_keeps_keys(world, n):
     """torchtune 0.6.1 leaves the dict untouched. fsdptk's default ``release_sd=True`` frees the
     memory and keeps the keys: each value becomes a ``meta`` tensor of the same shape and dtype
     (torchtune >= 0.7's ``release_sd`` sets ``None``), so the ``if sd:`` checks of torchtune's
     recipes still see a non-empty dict; ``release_sd=False`` is torchtune 0.6.1's behaviour."""
-    for out in world(2).run(_caller_dict_after_load, None):
+    for out in world(n).run(_caller_dict_after_load, None):
         assert out["torchtune keeps every value"] and out["keys"] and out["truthy"]
         assert out["values released"] and out["shards"] == []
-    for out in world(2).run(_caller_dict_after_load, False):
+    for out in world(n).run(_caller_dict_after_load, False):
         assert out["keys"] and out["values kept"] and out["shards"] == []
 
 

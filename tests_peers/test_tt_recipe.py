@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from ttparity import (
@@ -181,7 +182,8 @@ def _first_run_then_resume(root: str, swapped: bool):
         return out, saved_model
 
 
-def test_lora_recipe_resume_with_fsdptk_swapped_in(world, tmp_path: Path):
+@pytest.mark.parametrize("n", [2, 4])
+def test_lora_recipe_resume_with_fsdptk_swapped_in(world, n: int, tmp_path: Path):
     base, _ = split(random_full_state_dict(seed=11))
     (tmp_path / "base").mkdir()
     torch.save(base, tmp_path / "base" / "model.pt")
@@ -190,7 +192,7 @@ def test_lora_recipe_resume_with_fsdptk_swapped_in(world, tmp_path: Path):
         root = tmp_path / ("fsdptk" if swapped else "torchtune")
         root.mkdir()
         (root / "base").symlink_to(tmp_path / "base")
-        per_rank = world(2).run(_first_run_then_resume, str(root), swapped)
+        per_rank = world(n).run(_first_run_then_resume, str(root), swapped)
         for rank, (out, _) in enumerate(per_rank):
             bad = {k: v for k, v in out.items() if v not in (True, [])}
             assert not bad, f"swapped={swapped} rank {rank}: {bad}"
