@@ -5,7 +5,8 @@ styles, with the real transformers (tiny configs, random init, nothing downloade
   shard_model over dp -> load_safetensors -> logits equal a single-process reference on every rank
   -> 3 AdamW steps (each dp rank its half of the batch) give the reference's losses and state ->
   save_safetensors -> from_pretrained, for Llama tied / untied, Qwen2 (GQA) and Llama with
-  sequence parallel.
+  sequence parallel; in float32, and in float64, where logits, gradients and the trained state
+  must match to 1e-12.
 - Each style string against transformers' own implementation of it (2 ranks, module level): the
   same output, input gradient and full parameter gradient, and the unsharded module's.
 - GQA with fewer KV heads than TP ranks, Qwen3's replicated q/k norms, refusals.
@@ -25,11 +26,18 @@ from fsdptk import hf_tp_plan  # noqa: E402
 from fsdptk._hf_tp import REFUSED, TRANSLATED, describe_hf_2d  # noqa: E402
 from fsdptk.predicates import no_split_modules  # noqa: E402
 
-# AdamW's update is ~lr wherever the gradient is not ~0; on the odd entry whose gradient is ~1e-8
-# it turns float32 rounding differences of the sharded reductions into up to ~lr / 20 (Adam
-# divides by sqrt(v)), hence the state's tolerance; the gradients themselves are compared at 1e-5
 _LR, _STEPS, _BATCH, _SEQ = 1e-3, 3, 4, 8
-_STATE_ATOL = 1e-4
+# Tolerances against the single-process reference, per parameter dtype. In float32 the sharded
+# reductions (TP's all-reduces, FSDP's reduce-scatter over the dp halves) round differently from
+# one process (logits and gradients agree to ~2e-7), and AdamW divides by sqrt(v): on the odd
+# entry whose gradient is ~eps (1e-8) a 1e-10 rounding difference moves the update by a visible
+# fraction of lr, so the trained state differs by up to ~lr / 20 (measured at lr 1e-3: 3e-7 to
+# 5e-6 for Llama / Qwen2, 6e-5 for Qwen3; ten times that at lr 1e-2). The same runs in float64
+# agree to ~5e-15 in logits, gradients and trained state, so they are compared at 1e-12 there:
+# the float32 differences are rounding, not a different step. The loss itself is float32 in both
+# (transformers upcasts the logits for it).
+_ATOL = {torch.float32: {"logits": 1e-5, "grads": 1e-5, "state": 1e-4},
+         torch.float64: {"logits": 1e-12, "grads": 1e-12, "state": 1e-12}}
 # family -> (config class, extra arguments); vocab 250: the (dp, tp) shards of the vocab are uneven
 FAMILIES = {
     "llama": ("LlamaConfig", {"tie_word_embeddings": False}),
@@ -68,19 +76,19 @@ def _step(model, opt, rows: torch.Tensor, grads: dict | None = None) -> torch.Te
     return loss.detach()
 
 
-_REFS: dict[str, dict] = {}
+_REFS: dict[tuple[str, torch.dtype], dict] = {}
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """family -> a CPU-built model's save_pretrained directory, its logits on the batch, and its
-    losses and state after 3 AdamW steps on the whole batch (one process)."""
+    """(family, dtype) -> a CPU-built model's save_pretrained directory, its logits on the batch,
+    and its losses and state after 3 AdamW steps on the whole batch (one process)."""
 
-    def get(family: str) -> dict:
-        if family not in _REFS:
+    def get(family: str, dtype: torch.dtype = torch.float32) -> dict:
+        if (family, dtype) not in _REFS:
             root = tmp_path_factory.mktemp(family)
             torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(_config(family))
+            model = transformers.AutoModelForCausalLM.from_config(_config(family), dtype=dtype)
             model.save_pretrained(root / "src")
             batch = _batch()
             with torch.no_grad():
@@ -90,17 +98,17 @@ def reference(tmp_path_factory):
             losses = [_step(model, opt, batch, grads if i == 0 else None).item()
                       for i in range(_STEPS)]
             state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            _REFS[family] = {"src": root / "src", "logits": logits, "losses": losses,
-                             "grads": grads, "state": state}
-        return _REFS[family]
+            _REFS[family, dtype] = {"src": root / "src", "logits": logits, "losses": losses,
+                                    "grads": grads, "state": state}
+        return _REFS[family, dtype]
 
     return get
 
 
 # ---------------------------------------------------------------------------------------------
 # 2-D: (dp_shard=2, tp=2) on 4 ranks
-def _two_d(family: str, src: str, mode: str, sequence_parallel: bool, ref_logits: torch.Tensor,
-           out: str) -> dict:
+def _two_d(family: str, dtype: torch.dtype, src: str, mode: str, sequence_parallel: bool,
+           ref_logits: torch.Tensor, out: str) -> dict:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -110,7 +118,7 @@ def _two_d(family: str, src: str, mode: str, sequence_parallel: bool, ref_logits
     dims = ParallelDims(dp_shard=2, tp=2)
     dims.build_mesh("cpu")
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(_config(family))
+        model = AutoModelForCausalLM.from_config(_config(family), dtype=dtype)
     n_params = len(list(model.parameters()))
     plan = hf_tp_plan(model, sequence_parallel=sequence_parallel)
     apply_tp(model, dims.tp_mesh, plan)
@@ -145,29 +153,38 @@ def _two_d(family: str, src: str, mode: str, sequence_parallel: bool, ref_logits
     }
 
 
-CASES = [  # (family, read mode, sequence parallel)
-    ("llama", "shard_on_read", False),
-    ("llama_tied", "rank0_read", False),
-    ("qwen2", "shard_on_read", False),
-    ("llama", "rank0_read", True),
-    ("llama_tied", "shard_on_read", True),
-    ("qwen3", "rank0_read", True),
-    ("llama_1kv", "shard_on_read", True),
+_F32, _F64 = torch.float32, torch.float64
+CASES = [  # (family, read mode, sequence parallel, dtype)
+    ("llama", "shard_on_read", False, _F32),
+    ("llama_tied", "rank0_read", False, _F32),
+    ("qwen2", "shard_on_read", False, _F32),
+    ("llama", "rank0_read", True, _F32),
+    ("llama_tied", "shard_on_read", True, _F32),
+    ("qwen3", "rank0_read", True, _F32),
+    ("llama_1kv", "shard_on_read", True, _F32),
+    # again in float64 (the other read mode): the same trained state to 1e-12
+    ("llama", "rank0_read", False, _F64),
+    ("llama_tied", "shard_on_read", False, _F64),
+    ("qwen2", "rank0_read", False, _F64),
+    ("llama", "shard_on_read", True, _F64),
+    ("qwen3", "shard_on_read", True, _F64),
 ]
 
 
-@pytest.mark.parametrize("family, mode, sp", CASES, ids=[
-    f"{f}-{m}{'-sp' if sp else ''}" for f, m, sp in CASES])
+@pytest.mark.parametrize("family, mode, sp, dtype", CASES, ids=[
+    f"{f}-{m}{'-sp' if sp else ''}-{str(d).removeprefix('torch.')}" for f, m, sp, d in CASES])
 def test_two_d_matches_single_process_and_saves_for_from_pretrained(world, reference, tmp_path,
-                                                                     family, mode, sp):
-    ref = reference(family)
-    results = world(4).run(_two_d, family, str(ref["src"]), mode, sp, ref["logits"],
+                                                                     family, mode, sp, dtype):
+    ref = reference(family, dtype)
+    atol = _ATOL[dtype]
+    results = world(4).run(_two_d, family, dtype, str(ref["src"]), mode, sp, ref["logits"],
                            str(tmp_path / "out"))
     r0 = results[0]
     tied = bool(_config(family).tie_word_embeddings)
     for r in results:
         assert r["missing"] == [] and r["unexpected"] == []
-        assert r["logits_diff"] <= 1e-5, f"logits differ from the reference by {r['logits_diff']}"
+        assert r["logits_diff"] <= atol["logits"], \
+            f"logits differ from the reference by {r['logits_diff']}"
         torch.testing.assert_close(r["losses"], ref["losses"], rtol=0, atol=1e-5)
         assert r["tied"] == (tied, tied)  # a tied embedding / lm_head stays one Parameter
         assert r["n_params"][0] == r["n_params"][1]
@@ -177,15 +194,17 @@ def test_two_d_matches_single_process_and_saves_for_from_pretrained(world, refer
     # the first step's full gradients (FSDP's mean over the dp halves = the whole batch's)
     assert sorted(r0["grads"]) == sorted(ref["grads"])
     for key, value in r0["grads"].items():
+        assert value.dtype == dtype
         diff = (value - ref["grads"][key]).abs().max().item()
-        assert diff <= 1e-5, f"{key}: the gradient differs from the reference by {diff}"
+        assert diff <= atol["grads"], f"{key}: the gradient differs from the reference by {diff}"
     gathered = r0["gathered"]
     assert sorted(gathered) == sorted(ref["state"])
     for key, value in gathered.items():
+        assert value.dtype == ref["state"][key].dtype, key
         diff = (value - ref["state"][key]).abs().max().item()
-        assert diff <= _STATE_ATOL, f"{key}: the trained state differs by {diff}"
+        assert diff <= atol["state"], f"{key}: the trained state differs by {diff}"
     # the dry-run planner (what `fsdptk plan DIR --tp 2` prints) gives the largest rank's bytes
-    meta = _meta(family)
+    meta = _meta(family, dtype=dtype)
     planned = describe_hf_2d(meta, no_split_modules(meta), world_size=4, tp=2,
                              sequence_parallel=sp)
     assert planned.world_size == 2
@@ -390,6 +409,12 @@ def test_each_style_string_matches_transformers_own(string_facts, string):
         for key in ("out_vs_hf", "out_vs_ref", "in_grad_vs_hf", "in_grad_vs_ref", "grad_vs_hf",
                     "grad_vs_ref", "local_params_vs_hf"):
             assert f[key] is None or f[key] <= 1e-6, (key, f[key])
+        # None only where nothing exists to compare: an embedding's integer input has no
+        # gradient; all_reduce's unsharded reference has no gradient of its own
+        absent = {k for k, v in f.items() if v is None and k != "style"}
+        assert absent == ({"in_grad_vs_hf", "in_grad_vs_ref"} if string.startswith("embedding")
+                          else {"in_grad_vs_ref", "grad_vs_ref"} if string == "all_reduce"
+                          else set()), absent
     sharded = {k: v for k, v in string_facts[0][string]["local_shapes"].items()}
     if string in ("colwise", "colwise_rep", "colwise_gather_output"):
         assert sharded == {"weight": (6, 8), "bias": (6,)}
@@ -508,9 +533,9 @@ def test_tp_alone_gqa_per_head_norms_and_fused_projections(world):
 
 # ---------------------------------------------------------------------------------------------
 # single process: the plan itself, and what is refused
-def _meta(family: str, **over):
+def _meta(family: str, dtype: torch.dtype = torch.float32, **over):
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(_config(family, **over))
+        return transformers.AutoModelForCausalLM.from_config(_config(family, **over), dtype=dtype)
 
 
 def test_plan_for_llama_keys_layouts_and_order():
@@ -603,7 +628,9 @@ def test_public_name():
     assert fsdptk.hf.hf_tp_plan is hf_tp_plan
 
 
-def test_plan_cli_reports_tp_times_fsdp_bytes_for_an_hf_directory(tmp_path, capsys):
+def test_plan_cli_reports_tp_times_fsdp_bytes_for_an_hf_directory(tmp_path, capsys, monkeypatch):
+    from pathlib import Path
+
     from fsdptk.cli import main
 
     _config("qwen2").save_pretrained(tmp_path)  # config.json is all `plan` reads
@@ -622,3 +649,10 @@ def test_plan_cli_reports_tp_times_fsdp_bytes_for_an_hf_directory(tmp_path, caps
         capsys.readouterr().err
     assert main(["plan", str(tmp_path), "--world-size", "4", "--tp", "3"]) == 1
     assert "must be a positive divisor of the world size (4)" in capsys.readouterr().err
+    # a model factory declares no TP plan of its own; --tp 0 is a usage error
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    monkeypatch.syspath_prepend(str(Path.cwd()))
+    assert main(["plan", "examples.llama:tiny", "--world-size", "4", "--tp", "2"]) == 1
+    assert "--tp needs a Hugging Face checkpoint directory" in capsys.readouterr().err
+    assert main(["plan", str(tmp_path), "--world-size", "4", "--tp", "0"]) == 2
+    assert "--tp: must be >= 1, got 0" in capsys.readouterr().err

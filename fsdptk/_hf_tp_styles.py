@@ -1,0 +1,187 @@
+"""The DTensor ``ParallelStyle``\\ s that :func:`fsdptk.hf_tp_plan` translates transformers' plan
+strings into, where torch's own classes are not enough.
+
+- :class:`ColwiseKeepTied` / :class:`RowwiseKeepTied`: torch's ``ColwiseParallel`` /
+  ``RowwiseParallel`` whose tied parameters (an input embedding and ``lm_head``) stay one
+  Parameter; the rowwise one also takes an uneven last-dim input shard, as transformers does.
+- :class:`ReplicatedPartialGrad`: transformers' ``"replicated_with_grad_allreduce"``.
+- :class:`HFAttentionHeads`: checks a transformers attention module's head split before any module
+  changes and, with fewer KV heads than TP ranks, sets its per-rank ``num_key_value_groups``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.placement_types import Placement
+
+from fsdptk.tp_plan import GatherSequence
+
+__all__ = ["ColwiseKeepTied", "RowwiseKeepTied", "ReplicatedPartialGrad", "HFAttentionHeads"]
+
+
+def _place(style: _KeepTied, module: nn.Module, mesh: DeviceMesh,
+           placements: Mapping[str, Placement]) -> None:
+    """Distribute the module's own parameters. A tied parameter whose other owner was already
+    parallelised (``style.tied``) adopts that owner's DTensor Parameter, so the tie stays one
+    Parameter whichever end is applied first."""
+    for pname, param in list(module.named_parameters(recurse=False)):
+        want = (placements[pname],)
+        if isinstance(param, DTensor):
+            raise ValueError(f"{type(module).__name__}.{pname} is already a DTensor "
+                             f"({param.placements}): apply tensor parallel once")
+        for other, oname in style.tied.get(pname, ()):
+            placed = other._parameters.get(oname)
+            if isinstance(placed, DTensor):
+                if placed.device_mesh != mesh or tuple(placed.placements) != want:
+                    raise ValueError(
+                        f"{type(module).__name__}.{pname} is tied to a parameter already placed "
+                        f"{placed.placements}, but {type(style).__name__} needs {want}")
+                module.register_parameter(pname, placed)
+                break
+        else:
+            module.register_parameter(pname, nn.Parameter(
+                distribute_tensor(param, mesh, want, src_data_rank=style.src_data_rank),
+                requires_grad=param.requires_grad))
+
+
+class _KeepTied:
+    """Mixin: ``tied`` maps a parameter name to the (module, name) pairs sharing it."""
+
+    tied: dict[str, list[tuple[nn.Module, str]]] = {}
+
+    def tie(self, pname: str, other: nn.Module, oname: str) -> None:
+        """Record that this module's ``pname`` is ``other.<oname>`` (one tied Parameter)."""
+        self.tied = {**self.tied, pname: [*self.tied.get(pname, []), (other, oname)]}
+
+
+class ColwiseKeepTied(_KeepTied, ColwiseParallel):
+    """``ColwiseParallel`` whose tied parameters stay one Parameter with their other owner's."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        _place(self, module, mesh, {"weight": Shard(0), "bias": Shard(0)})
+
+    def _partition_embedding_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        _place(self, module, mesh, {"weight": Shard(1)})
+
+
+class RowwiseKeepTied(_KeepTied, RowwiseParallel):
+    """``RowwiseParallel`` whose tied parameters stay one Parameter with their other owner's.
+
+    As transformers' own rowwise style, a plain input sharded on its last dim is taken as this
+    rank's slice of ``in_features`` even when that does not divide by the TP size (a colwise
+    projection's uneven output feeds it); torch's style would assume equal slices.
+    """
+
+    @staticmethod
+    def _prepare_input_fn(input_layouts: Any, desired_input_layouts: Any, mod: nn.Module,
+                          inputs: Any, device_mesh: DeviceMesh) -> Any:
+        x = inputs[0]
+        last = input_layouts[0]
+        if (isinstance(mod, nn.Linear) and not isinstance(x, DTensor) and isinstance(last, Shard)
+                and last.dim in (-1, x.ndim - 1)):
+            shape = (*x.shape[:-1], mod.in_features)
+            stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+            x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False, shape=shape,
+                                   stride=stride)
+        return RowwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod,
+                                                 (x, *inputs[1:]), device_mesh)
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        _place(self, module, mesh, {"weight": Shard(1), "bias": Replicate()})
+
+    def _partition_embedding_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        _place(self, module, mesh, {"weight": Shard(0)})
+
+
+class ReplicatedPartialGrad(ParallelStyle):
+    """Replicated parameters whose gradient is summed over the TP ranks.
+
+    transformers' ``"replicated_with_grad_allreduce"``: for a module that sits between a colwise
+    and a rowwise projection and sees only this rank's share of the activation (Qwen3 / Gemma3
+    per-head ``q_norm`` / ``k_norm``). The forward runs on local tensors with no collective; each
+    rank's parameter gradient covers only its heads, so the parameters are replicated DTensors
+    whose local views carry a ``Partial`` gradient: summed over TP ranks by FSDP2's
+    reduce-scatter, or by ``grad.full_tensor()`` without FSDP.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if not isinstance(param, DTensor):
+                module.register_parameter(pname, nn.Parameter(
+                    distribute_tensor(param, device_mesh, [Replicate()],
+                                      src_data_rank=self.src_data_rank),
+                    requires_grad=param.requires_grad))
+        saved: list[dict[str, Any]] = []
+
+        def to_local(mod: nn.Module, args: Any) -> None:
+            own = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)}
+            saved.append(own)
+            for n, p in own.items():
+                mod._parameters[n] = p.to_local(grad_placements=[Partial()])
+
+        def restore(mod: nn.Module, args: Any, out: Any) -> None:
+            mod._parameters.update(saved.pop())
+
+        module.register_forward_pre_hook(to_local)
+        module.register_forward_hook(restore, always_call=True)  # also after an exception
+        return module
+
+    def __repr__(self) -> str:
+        return "ReplicatedPartialGrad()"
+
+
+class HFAttentionHeads(ParallelStyle):
+    """Checks (and, with replicated KV heads, sets) a transformers attention module's head split.
+
+    transformers' attention reshapes with ``-1`` heads, so a colwise q/k/v split needs the head
+    counts to divide by the TP size: :func:`fsdptk.apply_tp` calls :meth:`_check` before changing
+    any module. With fewer KV heads than TP ranks (a multiple of them), the k/v projections are
+    :class:`~fsdptk.tp_plan.ReplicatedKVColwise` and every rank holds one KV head: the module's
+    ``num_key_value_groups`` becomes ``num_heads // tp``. With ``gather_sequence`` the module also
+    gathers its sequence-sharded input (:class:`~fsdptk.tp_plan.GatherSequence`).
+
+    Args:
+        num_heads: the module's global number of query heads.
+        num_kv_heads: its global number of KV heads.
+        gather_sequence: also gather a sequence-sharded input (sequence parallel).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, *, gather_sequence: bool = False):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.gather_sequence = gather_sequence
+
+    def _check(self, module: nn.Module, tp: int, fqn: str = "") -> None:
+        where = f"attention module '{fqn}' ({type(module).__name__})"
+        if self.num_heads % tp:
+            raise ValueError(f"{where}: Number of attention heads ({self.num_heads}) must be "
+                             f"divisible by tensor parallel size ({tp}).")
+        kv = self.num_kv_heads
+        if kv % tp and tp % kv:
+            raise ValueError(f"{where}: Number of KV heads ({kv}) must be divisible by tensor "
+                             f"parallel size ({tp}), or the TP size a multiple of it (each rank "
+                             "then keeps a replica of one KV head).")
+        if kv < tp and not isinstance(getattr(module, "num_key_value_groups", None), int):
+            raise ValueError(f"{where}: {kv} KV heads over tensor parallel size {tp} need "
+                             "replicated KV heads, but the module has no int "
+                             "'num_key_value_groups' to set to its per-rank value.")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp = device_mesh.size()
+        self._check(module, tp)
+        if self.num_kv_heads < tp:  # one (replicated) KV head per rank
+            module.num_key_value_groups = self.num_heads // tp
+        if self.gather_sequence:
+            GatherSequence()._apply(module, device_mesh)
+        return module
+
+    def __repr__(self) -> str:
+        return (f"HFAttentionHeads(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"gather_sequence={self.gather_sequence})")
