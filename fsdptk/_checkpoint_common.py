@@ -1,9 +1,6 @@
-"""Small pieces shared by the checkpoint modules: agreeing on errors across ranks, key renaming,
-tied-parameter groups, progress bars.
-
-Errors found on one rank (a file it cannot read, a directory rank 0 cannot write) are agreed with
-one small object all-gather, so every rank raises the same error instead of some ranks waiting in
-a collective that will never come.
+"""Small pieces shared by the checkpoint modules: key renaming, the model's device, heap trimming,
+progress bars. (Agreeing on errors across ranks is :mod:`fsdptk._dist`; tied-parameter groups are
+:mod:`fsdptk._names`.)
 """
 
 from __future__ import annotations
@@ -13,34 +10,11 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from fsdptk.runtime import raise_if_any
+from fsdptk._dist import world
 
 Rename = Union[Callable[[str], "str | None"], Mapping[str, str], None]
-
-
-# ----------------------------------------------------------------------------------------------
-# agreement across ranks
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
-
-
-
-
-def run_agreed(fn: Callable[[], Any], *, on: bool = True) -> Any:
-    """Run ``fn`` (when ``on``) and agree on its outcome: its result, or the same error everywhere."""
-    result, error = None, None
-    if on:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001 - re-raised on every rank just below
-            error = e
-    raise_if_any(error)
-    return result
 
 
 # ----------------------------------------------------------------------------------------------
@@ -86,16 +60,6 @@ def rename_keys(keys: Iterable[str], rename: Rename, *, what: str) -> dict[str, 
     return out
 
 
-# ----------------------------------------------------------------------------------------------
-# tied parameters
-def tie_groups(model: nn.Module) -> list[list[str]]:
-    """State-dict keys that share one tensor, grouped (first key first), only groups of 2 or more."""
-    groups: dict[int, list[str]] = {}
-    for key, t in model.state_dict(keep_vars=True).items():
-        groups.setdefault(id(t), []).append(key)
-    return [g for g in groups.values() if len(g) > 1]
-
-
 def infer_device(model: nn.Module) -> torch.device:
     """The device of the model's first materialised tensor; else the current accelerator or CPU."""
     for t in list(model.parameters()) + list(model.buffers()):
@@ -139,7 +103,7 @@ def progress_bar(total: int, desc: str, enabled: bool | None) -> Any:
     """A tqdm byte counter on rank 0 (``enabled=None``: only when stderr is a terminal)."""
     from tqdm.auto import tqdm
 
-    _, rank = _world()
+    _, rank = world()
     on = rank == 0 and (sys.stderr.isatty() if enabled is None else bool(enabled))
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
                 disable=not on, file=sys.stderr, dynamic_ncols=True, leave=False)

@@ -4,10 +4,11 @@ param-group matching by FQN, validation of a full optimizer state dict, and the 
 
 Used by :mod:`fsdptk.optim`, which adds the moving of tensors (through :mod:`fsdptk._engine`).
 
-Naming rule: a parameter's FQN is its first key in ``model.state_dict()``, which is also its first
-name in ``model.named_parameters()`` order with wrapper prefixes (activation checkpointing's
-``_checkpoint_wrapped_module.``, ``torch.compile``'s ``_orig_mod.``) removed, i.e. the key the model
-state uses. A tied parameter (one ``Parameter`` object under several names) has ONE FQN, the first;
+Naming rule (:mod:`fsdptk._names`): a parameter's FQN is its first key in ``model.state_dict()``,
+which is also its first name in ``model.named_parameters()`` order cleaned by
+:func:`fsdptk._names.clean_fqn` (wrapper components such as activation checkpointing's
+``_checkpoint_wrapped_module`` and ``torch.compile``'s ``_orig_mod`` removed), i.e. the key the
+model state uses. A tied parameter (one ``Parameter`` object under several names) has ONE FQN, the first;
 its other names are accepted as aliases on load.
 """
 
@@ -23,14 +24,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdptk._names import clean_fqn, tensor_groups
+
 STATE, PG, PARAMS, NAMES = "state", "param_groups", "params", "param_names"
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def _strip(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
 
 
 def param_fqns(model: nn.Module) -> tuple[dict[int, str], dict[str, str]]:
@@ -38,12 +34,13 @@ def param_fqns(model: nn.Module) -> tuple[dict[int, str], dict[str, str]]:
     ids = {id(p) for p in model.parameters()}
     canon: dict[int, str] = {}
     names: dict[str, str] = {}
-    for key, t in model.state_dict(keep_vars=True).items():
+    for t, keys in tensor_groups(model):
         if id(t) in ids:
-            names[key] = canon.setdefault(id(t), key)
+            canon[id(t)] = keys[0]
+            names.update(dict.fromkeys(keys, keys[0]))
     for name, p in model.named_parameters(remove_duplicate=False):
-        fqn = canon.setdefault(id(p), _strip(name))
-        names.setdefault(_strip(name), fqn)
+        fqn = canon.setdefault(id(p), clean_fqn(name))
+        names.setdefault(clean_fqn(name), fqn)
         names.setdefault(name, fqn)
     return canon, names
 

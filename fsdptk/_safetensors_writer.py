@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -142,8 +142,14 @@ class ShardedWriter:
         self._done: set[int] = set()
         self._written: set[str] = set()
         self._closed = False
+        self._after_commit: list[Callable[[], Any]] = []
         self._lock = DirectoryLock(self.directory / LOCK_NAME, self.directory)
         self._preflight()
+
+    def after_commit(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` once the files are committed, while the directory's lock is still held
+        (e.g. renaming a staged ``config.json`` into place), so no other writer can interleave."""
+        self._after_commit.append(fn)
 
     def _tmp(self, name: str) -> Path:
         return self.directory / tmp_name(name, self._token)
@@ -224,7 +230,8 @@ class ShardedWriter:
     def commit(self) -> Path:
         """Commit the staged files (crash-safe steps of :mod:`fsdptk._files.commit`): the new
         checkpoint replaces the old one, whose files are then deleted (only fsdptk's own shard
-        files, never other files of the directory), and the lock is released.
+        files, never other files of the directory), the :meth:`after_commit` callbacks run, and
+        the lock is released.
 
         Returns:
             Path: the index file, or the single ``.safetensors`` file.
@@ -249,7 +256,11 @@ class ShardedWriter:
         commit_files(self.directory, self.prefix, self._token,
                      [(self._tmp(f.name).name, f.name) for f in self.files], index)
         self._closed = True
-        self._lock.release()
+        try:
+            for fn in self._after_commit:
+                fn()
+        finally:
+            self._lock.release()
         return self.index_path if index is not None else self.directory / self.files[0].name
 
     def abort(self) -> None:

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdptk.predicates import ShardCondition, clean_fqn, describe_predicate
+from fsdptk._names import clean_fqn
+from fsdptk.predicates import ShardCondition, describe_predicate
 
 __all__ = ["ShardingPlan", "UnitPlan", "describe_sharding"]
 
@@ -178,6 +179,51 @@ def _check_model(model: Any) -> None:
         )
 
 
+def match_modules(model: nn.Module, conditions: Sequence[ShardCondition], what: str, unchanged: str,
+                  ) -> tuple[dict[str, nn.Module], dict[str, nn.Module], dict[str, str]]:
+    """Ask the conditions about every module by its clean name: the one matching loop of fsdptk.
+
+    Wrapped modules (``checkpoint_wrapper``, ``torch.compile``) share their clean name with the
+    module they wrap; a condition sees the clean name and the innermost (user's) module. The root
+    is never matched; the first condition that matches a module names its rule.
+
+    Args:
+        model: the model.
+        conditions: ``(name, module) -> bool`` predicates, in priority order.
+        what: the conditions' role, for the error (``"shard"``, ``"checkpoint"``).
+        unchanged: what the error says was left alone (``"nothing was sharded"``).
+
+    Returns:
+        tuple: clean name -> outermost module, clean name -> innermost module (both in
+        registration order), and matched clean name -> the matching condition's description.
+
+    Raises:
+        ShardConditionError: a condition raised (names the condition, the module and its type).
+    """
+    outer: dict[str, nn.Module] = {}
+    inner: dict[str, nn.Module] = {}
+    for raw, m in model.named_modules():
+        c = clean_fqn(raw)
+        outer.setdefault(c, m)
+        inner[c] = m
+    rule: dict[str, str] = {}
+    for c, m in inner.items():
+        if c == "":
+            continue
+        for cond in conditions:
+            try:
+                hit = cond(c, m)
+            except Exception as e:  # noqa: BLE001 - re-raised with context
+                raise ShardConditionError(
+                    f"{what} condition {describe_predicate(cond)} raised {type(e).__name__} "
+                    f"on module {c!r} ({type(m).__name__}): {e}; {unchanged}"
+                ) from e
+            if hit:
+                rule[c] = describe_predicate(cond)
+                break
+    return outer, inner, rule
+
+
 def _is_ancestor(a: str, b: str) -> bool:
     """Whether clean name ``a`` is a strict ancestor of ``b``."""
     return a != b and (a == "" or b.startswith(a + "."))
@@ -199,29 +245,13 @@ class _Planner:
         self.param: dict[int, nn.Parameter] = {}
         for raw, m in model.named_modules():
             c = clean_fqn(raw)
-            self.outer.setdefault(c, m)
-            self.index.setdefault(c, len(self.index))
-            self.inner[c] = m
             for attr, p in m._parameters.items():
                 if p is not None:
                     self.owners.setdefault(id(p), []).append((c, attr))
                     self.param[id(p)] = p
-        self.rule: dict[str, str] = {}
-        for c, m in self.inner.items():
-            if c == "":
-                continue
-            for cond in conditions:
-                try:
-                    hit = cond(c, m)
-                except Exception as e:  # noqa: BLE001 - re-raised with context
-                    raise ShardConditionError(
-                        f"shard condition {describe_predicate(cond)} raised "
-                        f"{type(e).__name__} on module {c!r} ({type(m).__name__}): {e}; "
-                        "nothing was sharded"
-                    ) from e
-                if hit:
-                    self.rule[c] = describe_predicate(cond)
-                    break
+        self.outer, self.inner, self.rule = match_modules(model, conditions, "shard",
+                                                          "nothing was sharded")
+        self.index = {c: i for i, c in enumerate(self.outer)}
         if not self.rule:
             tried = ", ".join(describe_predicate(c) for c in conditions)
             sample = [c for c in self.inner if c][:8]

@@ -20,11 +20,13 @@ import logging
 from collections.abc import Sequence
 from typing import Literal
 
-import torch.distributed as dist
 from torch import nn
 
-from fsdptk._sharding_plan import ShardConditionError, _as_conditions, _is_ancestor
-from fsdptk.predicates import ShardCondition, clean_fqn, describe_predicate
+from fsdptk._compat import checkpoint_wrapper_api, composable_checkpoint, composable_registry
+from fsdptk._dist import log_rank0
+from fsdptk._names import clean_fqn
+from fsdptk._sharding_plan import _as_conditions, _is_ancestor, match_modules
+from fsdptk.predicates import ShardCondition, describe_predicate
 
 __all__ = ["apply_activation_checkpointing"]
 
@@ -33,37 +35,16 @@ _log = logging.getLogger(__name__)
 
 def _matches(model: nn.Module, conditions: list[ShardCondition]) -> dict[str, tuple[nn.Module, str]]:
     """Clean name -> (outermost module, rule) for the top-most matched modules (not the root)."""
-    outer: dict[str, nn.Module] = {}
-    inner: dict[str, nn.Module] = {}
-    for raw, m in model.named_modules():
-        c = clean_fqn(raw)
-        outer.setdefault(c, m)
-        inner[c] = m
-    found: dict[str, tuple[nn.Module, str]] = {}
-    for c, m in inner.items():
-        if c == "":
-            continue
-        for cond in conditions:
-            try:
-                hit = cond(c, m)
-            except Exception as e:  # noqa: BLE001 - re-raised with context
-                raise ShardConditionError(
-                    f"checkpoint condition {describe_predicate(cond)} raised {type(e).__name__} "
-                    f"on module {c!r} ({type(m).__name__}): {e}; nothing was changed"
-                ) from e
-            if hit:
-                found[c] = (outer[c], describe_predicate(cond))
-                break
+    outer, _, rule = match_modules(model, conditions, "checkpoint", "nothing was changed")
+    found = {c: (outer[c], r) for c, r in rule.items()}
     # a region inside another checkpointed region would be recomputed twice: keep the outermost
     return {c: v for c, v in found.items() if not any(_is_ancestor(a, c) for a in found)}
 
 
 def _already_checkpointed(m: nn.Module) -> bool:
-    from torch.distributed._composable.contract import _get_registry
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    registry = _get_registry(m) or {}
-    return "checkpoint" in registry or isinstance(m, CheckpointWrapper)
+    wrapper_type, _ = checkpoint_wrapper_api()
+    registry = composable_registry(m)
+    return "checkpoint" in registry or isinstance(m, wrapper_type)
 
 
 def apply_activation_checkpointing(
@@ -128,24 +109,18 @@ def apply_activation_checkpointing(
         raise ValueError(f"modules {done} are already activation-checkpointed")
 
     if mode == "composable":
-        from torch.distributed._composable import checkpoint
-
+        checkpoint = composable_checkpoint()
         for module, _ in found.values():
             checkpoint(module, preserve_rng_state=preserve_rng_state)
     else:
         _wrap(model, found, preserve_rng_state)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        rules = sorted({rule for _, rule in found.values()})
-        _log.info(
-            "apply_activation_checkpointing: %d modules (%s mode, rules %s)",
-            len(found), mode, rules,
-        )
+    log_rank0(_log, "apply_activation_checkpointing: %d modules (%s mode, rules %s)",
+              len(found), mode, sorted({rule for _, rule in found.values()}))
     return list(found)
 
 
 def _wrap(model: nn.Module, found: dict[str, tuple[nn.Module, str]], preserve_rng: bool) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
+    _, checkpoint_wrapper = checkpoint_wrapper_api()
     targets = {id(m) for m, _ in found.values()}
     # replace children in their parents; parents are found through the live module tree
     for parent in list(model.modules()):

@@ -25,19 +25,18 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fsdptk._checkpoint_common import (
-    Rename,
-    _world,
-    infer_device,
-    progress_bar,
-    rename_keys,
-    run_agreed,
-    tie_groups,
-    trim_heap,
-)
-from fsdptk.runtime import all_gather_object, raise_if_any
+from fsdptk._checkpoint_common import Rename, infer_device, progress_bar, rename_keys, trim_heap
+from fsdptk._dist import all_gather_object, raise_if_any, run_agreed
+from fsdptk._dist import world as _world
+from fsdptk._names import tie_groups
 from fsdptk._files.lock import CheckpointLockedError
-from fsdptk._safetensors_io import INDEX_SUFFIX, CheckpointError, SafetensorsCheckpoint, parse_size
+from fsdptk._safetensors_io import (
+    INDEX_SUFFIX,
+    CheckpointError,
+    SafetensorsCheckpoint,
+    SliceSource,
+    parse_size,
+)
 from fsdptk._safetensors_writer import ShardedWriter, plan_shards
 from fsdptk.dcp import (
     convert_dcp_to_safetensors,
@@ -76,29 +75,16 @@ def _bucket(bucket_bytes: int | None) -> dict[str, int]:
 
 # ----------------------------------------------------------------------------------------------
 # loading
-class _CountingSlice:
-    """A safetensors slice that reports the first read of its key to a progress bar."""
-
-    def __init__(self, inner: Any, on_read: Any) -> None:
-        self._inner, self._on_read = inner, on_read
-
-    def get_shape(self) -> list[int]:
-        return self._inner.get_shape()
-
-    def get_dtype(self) -> str:
-        return self._inner.get_dtype()
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        out = self._inner[index]
-        self._on_read()
-        return out
-
-
 class _ModelView(Mapping[str, torch.Tensor]):
-    """The checkpoint under model names (renamed), counting the bytes of each key on first read."""
+    """The checkpoint under model names (renamed), counting the bytes of each key on first read.
+
+    An engine source (:mod:`fsdptk._engine.sources`): metadata from the headers, boxes read
+    shard-on-read through the safetensors reader's :class:`SliceSource`; nothing is released.
+    """
 
     def __init__(self, ckpt: SafetensorsCheckpoint, names: dict[str, str], bar: Any) -> None:
         self._ckpt, self._names, self._bar = ckpt, names, bar
+        self._slices = SliceSource(ckpt)
         self._seen: set[str] = set()
 
     def _count(self, key: str) -> None:
@@ -111,8 +97,16 @@ class _ModelView(Mapping[str, torch.Tensor]):
         self._count(key)
         return out
 
-    def get_slice(self, key: str) -> _CountingSlice:
-        return _CountingSlice(self._ckpt.get_slice(self._names[key]), lambda: self._count(key))
+    def meta(self, key: str) -> Any:
+        return self._slices.meta(self._names[key])
+
+    def read(self, key: str, box: Any = None) -> torch.Tensor:
+        out = self._slices.read(self._names[key], box)
+        self._count(key)
+        return out
+
+    def release(self, key: str) -> None:
+        """The checkpoint is read-only: nothing to release."""
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names)
@@ -376,10 +370,13 @@ def save_safetensors(
 
         w = ShardedWriter(path, entries, max_shard_size=limit, metadata=metadata)
         try:
-            return w, (_stage_hf_config(model, path, dtype=dtype) if write_config else None)
+            staged = _stage_hf_config(model, path, dtype=dtype) if write_config else None
         except BaseException:
             w.abort()
             raise
+        if staged is not None:  # renamed in after the weights commit, under the directory's lock
+            w.after_commit(staged.commit)
+        return w, staged
 
     writer, config = run_agreed(open_writer, on=rank == 0) or (None, None)
     try:
@@ -392,11 +389,11 @@ def save_safetensors(
         if config is not None:
             config.abort()
         raise
-    if config is not None:  # the weights are committed (or not): the config follows
+    if config is not None and error is not None:  # no new weights (or the config step failed)
         try:
-            config.commit() if error is None else config.abort()
-        except Exception as e:  # noqa: BLE001 - agreed just below
-            error = e
+            config.abort()
+        except Exception:  # noqa: BLE001 - the first error is the one agreed below
+            pass
     raise_if_any(error)
     if result is not None:
         return result

@@ -57,14 +57,6 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-_ST_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
-_ST_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-             "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "U16": "uint16", "U32": "uint32",
-             "U64": "uint64"}
-
-
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for d in shape:
@@ -101,10 +93,14 @@ def _header_entry(key: str, meta: Any, data_len: int) -> TensorInfo:
     if offsets[1] > data_len:
         raise ValueError(f"entry {key!r} ends at data offset {offsets[1]} but the file holds only "
                          f"{data_len} data bytes (truncated?)")
-    if code in _ST_SIZES and nbytes != _numel(shape) * _ST_SIZES[code]:
+    from fsdptk._safetensors_io import _ST_TO_DTYPE  # the reader's dtype table
+
+    dtype = _ST_TO_DTYPE.get(code)
+    if dtype is not None and nbytes != _numel(shape) * dtype.itemsize:
         raise ValueError(f"entry {key!r}: {nbytes} data bytes for shape {shape} of {code} "
-                         f"({_numel(shape) * _ST_SIZES[code]} expected)")
-    return TensorInfo(key=key, dtype=_ST_NAMES.get(code, code), shape=shape, nbytes=nbytes)
+                         f"({_numel(shape) * dtype.itemsize} expected)")
+    return TensorInfo(key=key, dtype=_dtype_name(dtype) if dtype is not None else code, shape=shape,
+                      nbytes=nbytes)
 
 
 def _inspect_safetensors(files: Sequence[Path]) -> list[TensorInfo]:

@@ -32,7 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdptk._checkpoint_common import _world, progress_bar, run_agreed, trim_heap
+from fsdptk._checkpoint_common import progress_bar, trim_heap
+from fsdptk._dist import run_agreed
+from fsdptk._dist import world as _world
 from fsdptk._files.commit import dcp_backup, dcp_names, recover_dcp, swap_in_dcp
 from fsdptk._files.lock import DirectoryLock
 from fsdptk._files.paths import check_disjoint
@@ -99,7 +101,7 @@ class _Staging:
 
 def _begin_staging(path: Path) -> tuple[_Staging | None, Path]:
     """Every rank: rank 0 takes the lock and stages; all agree on errors and on the staging name."""
-    from fsdptk.runtime import all_gather_object
+    from fsdptk._dist import all_gather_object
 
     rank = _world()[1]
     staging: _Staging | None = run_agreed(lambda: _Staging(path), on=rank == 0)

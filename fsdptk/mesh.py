@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from fsdptk._dist import log_rank0
 from fsdptk.runtime import get_world_size_and_rank
 
 __all__ = ["ParallelDims"]
@@ -175,11 +176,8 @@ class ParallelDims:
         self._mesh = init_device_mesh(
             device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names
         )
-        if dist.get_rank() == 0:
-            _log.info(
-                "Built %s device mesh %s with dims %s",
-                device_type, self.mesh_shape, self.mesh_dim_names,
-            )
+        log_rank0(_log, "Built %s device mesh %s with dims %s", device_type, self.mesh_shape,
+                  self.mesh_dim_names)
         return self._mesh
 
     @property

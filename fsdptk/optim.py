@@ -25,7 +25,9 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdptk import _engine
-from fsdptk.runtime import agreed, all_gather_object, check_type
+from fsdptk._compat import local_tensor
+from fsdptk._dist import agreed, all_gather_object, check_type, is_rank0
+from fsdptk._dist import world as _world
 from fsdptk._engine import DEFAULT_BUCKET_BYTES
 from fsdptk._optim_layout import (PARAMS, PG, STATE, LoadView, StateSource, local_osd, optim_groups, param_fqns,
                                   plan_load, to_fqn_layout)
@@ -148,7 +150,7 @@ def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int
     names = [f"{STATE}.{fqn}.{key}" for fqn, key, _ in entries]
     items = [(n, v) for n, (_, _, v) in zip(names, entries) if isinstance(v, torch.Tensor)]
     last = {fqn: i for i, (fqn, _, _) in enumerate(entries)}  # index of each fqn's last entry
-    rank0 = _engine._world()[1] == 0
+    rank0 = is_rank0()
     cursor, current = 0, {}
 
     def advance(arrived: dict[str, torch.Tensor]) -> list[tuple[str, dict[str, Any]]]:
@@ -235,7 +237,7 @@ def get_full_optimizer_state_dict(
     state: dict[str, dict[str, Any]] = {}
     for bucket in _iter_state(entries, bucket_bytes):
         state.update(bucket)
-    if not (is_rank_zero and _engine._world()[1] == 0):
+    if not (is_rank_zero and is_rank0()):
         return {}
     return {STATE: state, PG: groups}
 
@@ -294,7 +296,7 @@ def to_fqn_optimizer_state_dict(
 
 def _agree_view(view: LoadView | None, broadcast_from_rank0: bool) -> LoadView:
     """Every rank gets the same view (rank 0's when broadcasting) or the same error."""
-    world, rank = _engine._world()
+    world, rank = _world()
     if broadcast_from_rank0:
         view = all_gather_object(view if rank == 0 else None)[0]
         problems = view.problems
@@ -326,7 +328,7 @@ def _state_device(ours: list[list[tuple[str, torch.Tensor]]], device: torch.devi
 
     A DTensor's local tensor decides (where its bytes are): FSDP2's CPU offload can leave a
     DTensor whose metadata device differs from its local tensor's."""
-    devices = {getattr(p, "_local_tensor", p).device for group in ours for _, p in group}
+    devices = {local_tensor(p).device for group in ours for _, p in group}
     if len(devices) == 1 and next(iter(devices)).type != "meta":
         return next(iter(devices))
     return device
@@ -405,7 +407,7 @@ def load_from_full_optimizer_state_dict(
         >>> opt2.param_groups[0]["lr"], torch.equal(opt2.state[b]["exp_avg"], opt.state[b]["exp_avg"])
         (0.001, True)
     """
-    rank = _engine._world()[1]
+    rank = _world()[1]
     reads = rank == 0 or not broadcast_from_rank0
     with agreed():  # a bad argument or input on any rank is raised on every rank
         _check_args(model, opt)

@@ -31,6 +31,8 @@ from typing import Any
 
 from torch import nn
 
+from fsdptk._names import clean_fqn
+
 __all__ = [
     "get_shard_conditions",
     "Predicate",
@@ -48,28 +50,6 @@ __all__ = [
 ]
 
 ShardCondition = Callable[[str, nn.Module], bool]
-
-# prefixes that wrappers insert into FQNs: checkpoint_wrapper, torch.compile, FSDP1
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
-
-
-def clean_fqn(name: str) -> str:
-    """Drop wrapper components (``_checkpoint_wrapped_module``, ``_orig_mod``, ...) from an FQN.
-
-    Args:
-        name: a dotted module or parameter name.
-
-    Returns:
-        str: the name the user's unwrapped model would have.
-
-    Example:
-        >>> clean_fqn("layers.0._checkpoint_wrapped_module.attn.wq.weight")
-        'layers.0.attn.wq.weight'
-    """
-    if not any(p in name for p in _WRAPPER_PARTS):
-        return name
-    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
-
 
 def get_shard_conditions(
     name: str,

@@ -7,14 +7,23 @@ initialise anything on their own and are safe to call in a single process.
 from __future__ import annotations
 
 import os
-import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from fsdptk import _dist
+# the rank-agreement helpers, importable from here as before (they live in fsdptk._dist)
+from fsdptk._dist import (  # noqa: F401
+    _comm_device,
+    agreed,
+    all_gather_object,
+    check_type,
+    comm_errors,
+    error_payload,
+    raise_if_any,
+    raise_lowest,
+)
 
 __all__ = [
     "is_distributed",
@@ -71,9 +80,7 @@ def get_world_size_and_rank() -> tuple[int, int]:
         >>> (world_size, rank)  # single process
         (1, 0)
     """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
+    return _dist.world()
 
 
 def get_distributed_backend(device_type: str, offload_ops_to_cpu: bool = False) -> str:
@@ -168,183 +175,3 @@ def validate_no_params_on_meta_device(model: nn.Module) -> None:
                     f"{tuple(tensor.shape)}, dtype {tensor.dtype}: load or initialise it before "
                     "training."
                 )
-
-
-# ----------------------------------------------------------------------------------------------
-# agreement across ranks (internal helpers used by state_dict, optim and checkpoint modules)
-
-
-def _comm_device() -> torch.device:
-    """The device small agreement tensors live on: CPU when the default group has gloo."""
-    backend = str(dist.get_backend()).lower()
-    if "gloo" in backend:
-        return torch.device("cpu")
-    acc = torch.accelerator.current_accelerator()
-    return torch.device(acc or "cuda", torch.accelerator.current_device_index())
-
-
-@contextmanager
-def comm_errors(what: str) -> Iterator[None]:
-    """Turn a failure of ``torch.distributed`` itself into an error that says what it means.
-
-    A collective or point-to-point call fails when a peer is gone (killed, out of memory, its
-    connection closed); the backend's own message (gloo: ``Connection closed by peer``) names no
-    operation. Internal helper; not exported from ``fsdptk``.
-
-    Args:
-        what: the operation, for the message (e.g. ``"load_from_full_model_state_dict"``).
-
-    Raises:
-        RuntimeError: naming ``what``, this rank and the backend's message (chained).
-    """
-    try:
-        yield
-    except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
-        _, rank = get_world_size_and_rank()
-        raise RuntimeError(
-            f"fsdptk {what}: communication with the other ranks failed on rank {rank} "
-            f"({type(e).__name__}: {str(e).strip()[:400]}). Another rank most likely died (killed, "
-            "out of memory) or stopped taking part in this operation; its log has the cause."
-        ) from e
-
-
-def all_gather_object(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (a list indexed by rank); ``[obj]`` without a process group.
-
-    The one object collective fsdptk's higher modules use to agree on metadata and errors before
-    any tensor moves (internal helper; not exported from ``fsdptk``). Collective: every rank of the
-    default process group must call it.
-
-    Args:
-        obj: any picklable object.
-
-    Returns:
-        list: ``obj`` of every rank, indexed by rank.
-
-    Raises:
-        RuntimeError: when the communication itself fails (a peer died), see :func:`comm_errors`.
-    """
-    size, _ = get_world_size_and_rank()
-    if size == 1:
-        return [obj]
-    out: list[Any] = [None] * size
-    with comm_errors("agreement"):
-        dist.all_gather_object(out, obj)
-    return out
-
-
-def _exc_class(module: str, qualname: str) -> type[BaseException] | None:
-    obj: Any = sys.modules.get(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    return obj if isinstance(obj, type) and issubclass(obj, Exception) else None
-
-
-def error_payload(error: BaseException | None) -> tuple[str, str, str] | None:
-    """What crosses the wire for an error: ``(module, qualname, message)``; ``None`` when fine.
-
-    The message includes the exception's notes (``add_note``), where fsdptk records context such
-    as the key being read. Internal helper; not exported from ``fsdptk``.
-    """
-    if error is None:
-        return None
-    notes = [str(n) for n in getattr(error, "__notes__", ())]
-    message = "; ".join([str(error), *notes]) if notes else str(error)
-    return type(error).__module__, type(error).__qualname__, message
-
-
-def raise_lowest(payloads: Sequence[tuple[str, str, str] | None], error: BaseException | None) -> None:
-    """Raise the lowest failing rank's error from every rank's :func:`error_payload` (no collective).
-
-    That rank re-raises its own exception (with its traceback, and a note naming the rank); every
-    other rank an exception of the same type (when it is importable there) whose message ends with
-    ``(on rank N)``, else a ``RuntimeError`` naming the type. Returns when no rank failed.
-    Internal helper; not exported from ``fsdptk``.
-
-    Args:
-        payloads: one :func:`error_payload` per rank, indexed by rank.
-        error: this rank's exception, or ``None``.
-    """
-    _, me = get_world_size_and_rank()
-    for rank, item in enumerate(payloads):
-        if item is None:
-            continue
-        if rank == me and error is not None:
-            note = f"(raised on rank {rank}; every rank of the operation raises it)"
-            if len(payloads) > 1 and note not in getattr(error, "__notes__", ()):
-                error.add_note(note)
-            raise error
-        module, qualname, message = item
-        cls = _exc_class(module, qualname)
-        try:
-            exc = cls(f"{message} (on rank {rank})") if cls is not None else None
-        except Exception:  # noqa: BLE001 - an exception type with an unusual constructor
-            exc = None
-        raise exc or RuntimeError(f"{qualname} on rank {rank}: {message}")
-
-
-def raise_if_any(error: BaseException | None) -> None:
-    """Raise on every rank when any rank has an error; collective (every rank must call it).
-
-    Every rank raises the lowest failing rank's error: that rank re-raises its own exception
-    (with its traceback), every other rank (failing or not) an exception of the same type (when it
-    is importable there) whose message names that rank. Cheap when nothing failed: one one-element
-    ``all_reduce``; only when some rank failed are the messages exchanged (one object all-gather).
-    Only strings cross the wire, so an unpicklable exception cannot break the agreement. Internal
-    helper; not exported from ``fsdptk``.
-
-    Args:
-        error: this rank's exception, or ``None`` when this rank is fine.
-
-    Raises:
-        BaseException: the lowest failing rank's error (itself on that rank; elsewhere the same
-            type, or ``RuntimeError`` naming the type when it cannot be rebuilt).
-    """
-    size, rank = get_world_size_and_rank()
-    if size == 1:
-        if error is not None:
-            raise error
-        return
-    flag = torch.tensor([0 if error is None else size - rank], dtype=torch.int64, device=_comm_device())
-    with comm_errors("agreement"):
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if int(flag.item()):
-        raise_lowest(all_gather_object(error_payload(error)), error)
-
-
-@contextmanager
-def agreed() -> Iterator[None]:
-    """Run a block on every rank; an exception in it on any rank is raised on every rank.
-
-    ``with agreed(): ...`` is :func:`raise_if_any` around a block of local work (validation,
-    metadata) that must not leave the other ranks waiting in the next collective. Collective:
-    every rank must enter it. Internal helper; not exported from ``fsdptk``.
-
-    Raises:
-        Exception: the lowest failing rank's error, on every rank (see :func:`raise_if_any`).
-    """
-    error: BaseException | None = None
-    try:
-        yield
-    except Exception as e:  # noqa: BLE001 - agreed just below
-        error = e
-    raise_if_any(error)
-
-
-def check_type(value: Any, expected: type | tuple[type, ...], name: str, what: str) -> None:
-    """Raise a TypeError naming the argument, what it must be and the type it has.
-
-    Internal helper; not exported from ``fsdptk``. In a collective call run it inside
-    :func:`agreed`, so that every rank raises it.
-
-    Args:
-        value: the argument.
-        expected: the accepted type(s).
-        name: the argument's name (``"full_sd"``).
-        what: what it must be, for the message (``"a Mapping of fqn -> tensor"``).
-
-    Raises:
-        TypeError: ``"<name> must be <what>, got <type>"``.
-    """
-    if not isinstance(value, expected):
-        raise TypeError(f"{name} must be {what}, got {type(value).__name__}")

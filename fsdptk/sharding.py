@@ -30,6 +30,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from fsdptk._dist import log_rank0
 from fsdptk._sharding_plan import (
     ShardConditionError,
     ShardingPlan,
@@ -199,7 +200,6 @@ def shard_model(
     plan = _make_plan(model, shard_conditions)
     world_size = _shard_world_size(dp_mesh)
     summary = _summarise(plan, world_size)
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
 
     kwargs: dict[str, Any] = {
         "mesh": dp_mesh,
@@ -214,27 +214,23 @@ def shard_model(
     # with the same enclosing units).
     for unit in reversed(plan.units):
         fully_shard(_target(unit), **kwargs)
-        if rank0:
-            _log.debug("fully_shard(%s) [rule: %s]", " + ".join(unit.fqns), unit.rule)
+        log_rank0(_log, "fully_shard(%s) [rule: %s]", " + ".join(unit.fqns), unit.rule, level=logging.DEBUG)
     root_reshard = reshard_after_forward if root_reshard_after_forward is None else (
         root_reshard_after_forward)
     fully_shard(model, **{**kwargs, "reshard_after_forward": root_reshard})
-    if rank0:
-        for note in plan.notes:
-            _log.info("shard_model: %s", note)
-        _log.info(
-            "shard_model: applied fully_shard to %d units + root over %d shard ranks%s "
-            "(reshard_after_forward=%s, root %s, mp_policy=%s, cpu_offload=%s)",
-            len(plan.units), world_size,
-            f" on mesh {tuple(dp_mesh.shape)}" if dp_mesh is not None else "",
-            reshard_after_forward, root_reshard, mp_policy, cpu_offload,
-        )
+    for note in plan.notes:
+        log_rank0(_log, "shard_model: %s", note)
+    log_rank0(
+        _log,
+        "shard_model: applied fully_shard to %d units + root over %d shard ranks%s "
+        "(reshard_after_forward=%s, root %s, mp_policy=%s, cpu_offload=%s)",
+        len(plan.units), world_size,
+        f" on mesh {tuple(dp_mesh.shape)}" if dp_mesh is not None else "",
+        reshard_after_forward, root_reshard, mp_policy, cpu_offload,
+    )
     if forward_prefetch or backward_prefetch:
         units = [u.modules[0] for u in plan.units]
         _set_prefetch(units, forward_prefetch, backward_prefetch)  # type: ignore[arg-type]
-        if rank0:
-            _log.info(
-                "shard_model: explicit prefetch over %d units (forward depth %d, backward depth %d)",
-                len(units), forward_prefetch, backward_prefetch,
-            )
+        log_rank0(_log, "shard_model: explicit prefetch over %d units (forward depth %d, backward depth %d)",
+                  len(units), forward_prefetch, backward_prefetch)
     return summary

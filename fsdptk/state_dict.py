@@ -17,9 +17,12 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdptk import _engine
 from fsdptk import buffers as _buffers
-from fsdptk._engine import DEFAULT_BUCKET_BYTES
+from fsdptk._dist import agreed, all_gather_object, check_type, is_rank0, raise_problems
+from fsdptk._dist import world as _world
+from fsdptk._engine import DEFAULT_BUCKET_BYTES, TensorMeta
+from fsdptk._engine.sources import as_source
+from fsdptk._names import tensor_groups
 from fsdptk.buffers import BUFFER_INIT_HOOKS, BufferInit
-from fsdptk.runtime import agreed, all_gather_object, check_type
 
 __all__ = [
     "load_from_full_model_state_dict",
@@ -31,20 +34,17 @@ __all__ = [
 
 def _tensor_groups(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str]]:
     """Persistent state in state_dict order, one entry per tensor object, and alias -> canonical."""
-    targets: list[tuple[str, torch.Tensor]] = []
-    canonical: dict[int, str] = {}
-    aliases: dict[str, str] = {}
-    for fqn, t in model.state_dict(keep_vars=True).items():
-        if id(t) in canonical:
-            aliases[fqn] = canonical[id(t)]
-        else:
-            canonical[id(t)] = fqn
-            targets.append((fqn, t))
+    groups = tensor_groups(model)
+    targets = [(keys[0], t) for t, keys in groups]
+    aliases = {alias: keys[0] for _, keys in groups for alias in keys[1:]}
     return targets, aliases
 
 
 class _AliasedSource(Mapping[str, Any]):
     """The caller's mapping seen through tied-parameter aliases: a tied group is one key.
+
+    It is an engine source (metadata, read a box, release) over the caller's mapping adapted by
+    :func:`fsdptk._engine.sources.as_source`.
 
     A tied group (``embed.weight`` / ``head.weight``) is read from its canonical key, or from any
     alias when the checkpoint stores only that one; alias keys are not reported as unexpected and
@@ -57,8 +57,7 @@ class _AliasedSource(Mapping[str, Any]):
         self._group: dict[str, list[str]] = {}
         for alias, canon in aliases.items():
             self._group.setdefault(canon, [canon]).append(alias)
-        if hasattr(source, "get_slice"):
-            self.get_slice = lambda key: source.get_slice(self._resolve(key))  # type: ignore[attr-defined]
+        self._inner = as_source(source)
 
     def _resolve(self, key: str) -> str:
         for k in self._group.get(key, [key]):
@@ -88,6 +87,19 @@ class _AliasedSource(Mapping[str, Any]):
         for k in self._group.get(key, [key]):
             if k in self._src:
                 _release_entry(self._src, k)
+
+    # the engine's source protocol (fsdptk._engine.sources): read through the caller's source
+    def meta(self, key: str) -> TensorMeta:
+        """Shape and dtype of ``key`` (through its alias when only that one is stored)."""
+        return self._inner.meta(self._resolve(key))
+
+    def read(self, key: str, box: Any = None) -> torch.Tensor:
+        """``key``'s full tensor, or its piece at ``box`` (read shard-on-read when the source can)."""
+        return self._inner.read(self._resolve(key), box)
+
+    def release(self, key: str) -> None:
+        """Release ``key`` and its tied aliases (``del``)."""
+        del self[key]
 
 
 def _release_entry(source: Any, key: str) -> None:
@@ -123,7 +135,7 @@ def _buffer_plan(model: nn.Module, broadcast_from_rank0: bool, init_buffers: Buf
 
     Returns (module fqn -> recomputed values for this rank, fqns of buffers to send from rank 0).
     """
-    world, _ = _engine._world()
+    world, _ = _world()
     mine = _meta_nonpersistent(model)
     try:
         values, failed = _buffers._recompute(model, mine, init_buffers)
@@ -145,7 +157,7 @@ def _buffer_plan(model: nn.Module, broadcast_from_rank0: bool, init_buffers: Buf
         else:
             problems.append(("ValueError", f"{failures[mod_name]}. Remedies: "
                              f"{_buffers._remedies(broadcast=True)}"))
-    _engine._raise(problems, "cannot initialise the non-persistent buffers")
+    raise_problems(problems, "cannot initialise the non-persistent buffers")
     return values, send
 
 
@@ -162,7 +174,7 @@ def _receive_buffers(model: nn.Module, fqns: list[str], device: torch.device,
     modules = dict(model.named_modules())
     owners = [(modules[f.rpartition(".")[0]], f.rpartition(".")[2]) for f in fqns]
     targets = [(f, mod._buffers[n]) for f, (mod, n) in zip(fqns, owners)]
-    source = dict(targets) if _engine._world()[1] == 0 else {}
+    source = dict(targets) if is_rank0() else {}
     plan = _engine.agree(targets, source, src_rank0=True)
     return dict(_engine.distribute(plan, source, device=device))
 
@@ -262,7 +274,7 @@ def load_from_full_model_state_dict(
         >>> model.weight.device.type, len(sd)
         ('cpu', 2)
     """
-    reads = not broadcast_from_rank0 or _engine._world()[1] == 0
+    reads = not broadcast_from_rank0 or is_rank0()
     with agreed():  # a bad argument on any rank is raised on every rank, before any collective
         check_type(model, nn.Module, "model", "a torch.nn.Module")
         if reads or full_sd is not None:
@@ -300,7 +312,7 @@ def load_from_full_model_state_dict(
         if canon in new_sd:
             new_sd[alias] = new_sd[canon]
     model.load_state_dict(new_sd, strict=False, assign=True)
-    if release_sd and broadcast_from_rank0 and _engine._world()[1] != 0:
+    if release_sd and broadcast_from_rank0 and not is_rank0():
         for fqn in plan.keys:  # never read here, but released like rank 0's (same contract)
             if fqn in source:
                 del source[fqn]
@@ -417,4 +429,4 @@ def gather_cpu_state_dict(
     for bucket in iter_full_state_dict(model, bucket_bytes=bucket_bytes,
                                        adapter_weights_only=adapter_weights_only, is_adapter=is_adapter):
         out.update(bucket)
-    return out if is_rank_zero and _engine._world()[1] == 0 else {}
+    return out if is_rank_zero and is_rank0() else {}

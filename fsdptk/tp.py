@@ -23,6 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
+from fsdptk._dist import log_rank0
+
 __all__ = ["prepare_mha_for_tp", "apply_tp"]
 
 _log = logging.getLogger(__name__)
@@ -238,7 +240,7 @@ def prepare_mha_for_tp(
         setattr(ch.holder, ch.attr, ch.new)
     for module, summary in selected:
         setattr(module, _PREPARED, (tp_size, summary))
-    _log_once(f"prepare_mha_for_tp: scaled {found} attention modules for TP size {tp_size}")
+    log_rank0(_log, "prepare_mha_for_tp: scaled %d attention modules for TP size %s", found, tp_size)
     return model
 
 
@@ -280,7 +282,7 @@ def apply_tp(
             parallelize_module(model, tp_mesh, style)
         else:
             parallelize_module(model, tp_mesh, {_escape(fqn): style})
-    _log_once(f"apply_tp: parallelised {len(plan)} modules over TP size {tp_size}")
+    log_rank0(_log, "apply_tp: parallelised %d modules over TP size %s", len(plan), tp_size)
     return model
 
 
@@ -324,9 +326,3 @@ def _escape(fqn: str) -> str:
     """``parallelize_module`` fnmatches each atom: escape glob characters of an exact FQN."""
     return "".join(f"[{c}]" if c in "*?[]" else c for c in fqn)
 
-
-def _log_once(msg: str) -> None:
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-        _log.info(msg)

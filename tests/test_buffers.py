@@ -437,7 +437,7 @@ def _stress(loads: int):
 
 
 def _buffer_send_fails_on_rank0():
-    import fsdptk._engine as engine
+    import fsdptk._engine.scatter as engine
     from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank()

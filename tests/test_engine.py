@@ -57,7 +57,8 @@ def _engine_case(cases, mode, bucket, seed):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    from fsdptk._engine import _dtensor_box, agree, collect, distribute
+    from fsdptk._engine import agree, collect, distribute
+    from fsdptk._engine.layouts import dtensor_box as _dtensor_box
 
     mesh = init_device_mesh("cpu", (2, 2))
     gen = torch.Generator().manual_seed(seed)
@@ -212,6 +213,7 @@ def _fail_case(mode, phase, fail_rank, fail_at, bucket):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import fsdptk._engine as engine
+    import fsdptk._engine.gather as gather
 
     mesh = init_device_mesh("cpu", (2,))
     fulls = {f"t{i}": torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(6)}
@@ -229,7 +231,7 @@ def _fail_case(mode, phase, fail_rank, fail_at, bucket):
                 src.armed = True  # from here on, reads are data reads
             dict(engine.distribute(plan, src, device="cpu", bucket_bytes=bucket))
         else:  # gather: a sender or the receiver fails, or the caller's code fails (throw)
-            inner, calls = engine._plain_local, [0]
+            inner, calls = gather._plain_local, [0]
 
             def flaky(t):
                 calls[0] += 1
@@ -237,14 +239,14 @@ def _fail_case(mode, phase, fail_rank, fail_at, bucket):
                     raise OSError("cannot read a shard")
                 return inner(t)
 
-            engine._plain_local = flaky
+            gather._plain_local = flaky
             try:
                 buckets = engine.collect(targets, bucket_bytes=bucket)
                 for n, _ in enumerate(buckets, start=1):
                     if phase == "caller" and dist.get_rank() == fail_rank and n == fail_at:
                         buckets.throw(OSError("the caller's write failed"))
             finally:
-                engine._plain_local = inner
+                gather._plain_local = inner
     except OSError as e:
         return "OSError", str(e), time.monotonic() - t0
     return "no error", "", time.monotonic() - t0
@@ -258,7 +260,7 @@ def test_any_failure_point_is_the_same_error_on_every_rank(world, mode, phase, f
         fail_rank = 0  # only rank 0 reads
     res = world(2).run(_fail_case, mode, phase, fail_rank, fail_at, bucket, timeout=60,
                        return_exceptions=True)
-    from fsdptk._engine import _buckets
+    from fsdptk._engine.wire import buckets as _buckets
 
     # data reads: 6 shards + the plain tensor; _plain_local calls: rank 0 places its 6 shards and
     # the plain tensor, rank 1 packs its 6 shards; the caller sees one bucket per bucket
@@ -278,7 +280,7 @@ def test_any_failure_point_is_the_same_error_on_every_rank(world, mode, phase, f
 
 
 def test_checksum_tells_values_apart():
-    from fsdptk._engine import _checksum
+    from fsdptk._engine.agree import _checksum
 
     a = torch.arange(12, dtype=torch.float32)
     b = a.clone()

@@ -187,20 +187,21 @@ def _load_via_files(path: str) -> tuple[str, str, float, bool]:
     from fsdptk import load_safetensors
 
     model = _model()
-    inner = ckpt._CountingSlice.__getitem__
+    inner = ckpt._ModelView.read
     reads = [0]
 
-    def flaky(self: Any, index: Any) -> torch.Tensor:
-        reads[0] += 1
-        if dist.get_rank() == 1 and reads[0] == 3:
-            raise OSError("read failed: stale file handle")
-        return inner(self, index)
+    def flaky(self: Any, key: str, box: Any = None) -> torch.Tensor:
+        if box is not None:  # a shard-on-read slice read
+            reads[0] += 1
+            if dist.get_rank() == 1 and reads[0] == 3:
+                raise OSError("read failed: stale file handle")
+        return inner(self, key, box)
 
-    ckpt._CountingSlice.__getitem__ = flaky
+    ckpt._ModelView.read = flaky
     try:
         res = _timed(load_safetensors, model, path, shard_on_read=True, device="cpu", bucket_bytes=300)
     finally:
-        ckpt._CountingSlice.__getitem__ = inner
+        ckpt._ModelView.read = inner
     return (*res, _untouched(model))
 
 
@@ -223,7 +224,7 @@ def _loaded_model() -> nn.Module:
 
 
 def _gather_failing(fail_rank: int) -> tuple[str, str, float, bool]:
-    import fsdptk._engine as engine
+    import fsdptk._engine.gather as engine
     from fsdptk import gather_cpu_state_dict
 
     model = _loaded_model()
@@ -271,7 +272,7 @@ def test_caller_leaving_the_gather_lets_the_others_raise(world) -> None:
 
 
 def _save_failing(path: str) -> tuple[tuple[str, str, float, bool], int]:
-    import fsdptk._engine as engine
+    import fsdptk._engine.gather as engine
     from fsdptk import save_safetensors
     from fsdptk._safetensors_writer import ShardedWriter
 
@@ -311,6 +312,8 @@ def test_writer_failing_inside_save_safetensors_raises_on_every_rank(world, tmp_
 # optimizer pair
 def _optim_failing(phase: str) -> tuple[str, str, float, bool]:
     import fsdptk._engine as engine
+    import fsdptk._engine.gather
+    import fsdptk._engine.scatter  # noqa: F401 - the modules patched below
     from fsdptk import get_full_optimizer_state_dict, load_from_full_optimizer_state_dict
 
     model = _loaded_model()
@@ -325,6 +328,7 @@ def _optim_failing(phase: str) -> tuple[str, str, float, bool]:
                      None if dist.get_rank() == 1 else osd, "cpu", broadcast_from_rank0=False)
         return (*res, not fresh.state)
     name = "_rank0_pieces" if phase == "load_scatter" else "_plain_local"
+    engine = engine.scatter if phase == "load_scatter" else engine.gather
     inner, calls = getattr(engine, name), [0]
 
     def flaky(*args: Any) -> Any:

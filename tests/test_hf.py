@@ -265,6 +265,25 @@ def test_a_failed_save_leaves_no_new_config(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # refused before any tensor moved
 
 
+def test_the_config_is_committed_under_the_directory_lock(tmp_path, monkeypatch):
+    # a second writer must not interleave between the weights commit and the config rename
+    from fsdptk import hf
+    from fsdptk._safetensors_writer import LOCK_NAME
+
+    seen = []
+    original = hf._StagedConfig.commit
+
+    def commit(self):
+        seen.append((self.directory / LOCK_NAME).exists())
+        return original(self)
+
+    monkeypatch.setattr(hf._StagedConfig, "commit", commit)
+    model = transformers.AutoModelForCausalLM.from_config(_config("qwen2"))
+    save_safetensors(model, tmp_path)
+    assert seen == [True]
+    assert (tmp_path / "config.json").exists() and not (tmp_path / LOCK_NAME).exists()
+
+
 def test_hf_meta_model_from_dirs_files_and_configs(reference):
     ref = reference("gemma3")
     for source in (ref["src"], ref["cache"], ref["src"] / "config.json", _config("gemma3")):

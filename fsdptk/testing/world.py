@@ -105,14 +105,9 @@ def _forget_old_meshes() -> None:
     tensors an output spec that still names a group of the destroyed process group ("Could not
     resolve the process group registered under the name N").
     """
-    try:
-        from torch.distributed.tensor import _redistribute
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from fsdptk._compat import clear_dtensor_caches
 
-        _clear_sharding_prop_cache()
-        getattr(_redistribute._gen_transform_infos, "cache_clear", lambda: None)()
-    except (ImportError, AttributeError):  # older torch: no such caches to clear
-        pass
+    clear_dtensor_caches()
 
 
 # set in a worker before torch is imported (gloo worlds): FSDP2 / DeviceMesh pick

@@ -1,0 +1,33 @@
+"""The tensor-moving engine shared by model state, optimizer state and checkpoint files.
+
+Two primitives over an ordered list of ``(fqn, target)`` pairs, where a target is a sharded
+``DTensor`` (any mesh and placements DTensor produces, ``_StridedShard`` included), a plain tensor
+(replicated: an unsharded submodule's parameter, a buffer) or an NF4 tensor (plain or inside a
+DTensor). Targets may live on ``meta``: outputs are then allocated on the requested device.
+
+* :func:`agree` + :func:`distribute`: full tensors -> this rank's shards. Metadata (keys, shapes,
+  dtypes) is agreed on every rank first with ONE object collective, so every error is raised on
+  every rank. Then either each rank reads its own piece of a source it can read (no tensor moves;
+  a lazy source is read shard-on-read), or rank 0 packs every rank's slices of a bucket of tensors
+  into one flat byte buffer per rank and sends each rank its buffer.
+* :func:`collect`: local shards -> full CPU tensors on rank 0 only, bucket by bucket, with
+  point-to-point sends of exactly the bytes each shard owner holds (one replica per HSDP group).
+
+Everything runs on the default process group. See ``docs/state_dict.md``. The parts:
+
+- :mod:`~fsdptk._engine.sources`: the source protocol (metadata, read a box, release);
+- :mod:`~fsdptk._engine.layouts`: one class per kind of target (plain, DTensor, NF4, DTensor NF4);
+- :mod:`~fsdptk._engine.wire`: flat buffers of aligned pieces, buckets;
+- :mod:`~fsdptk._engine.agree`: the metadata agreement and the per-bucket status agreement (the
+  failure protocol, ``docs/failure_model.md``);
+- :mod:`~fsdptk._engine.scatter` (:func:`distribute`) and :mod:`~fsdptk._engine.gather`
+  (:func:`collect`).
+"""
+
+from fsdptk._engine.agree import LoadPlan, agree
+from fsdptk._engine.gather import collect
+from fsdptk._engine.scatter import distribute
+from fsdptk._engine.sources import Source, TensorMeta
+from fsdptk._engine.wire import DEFAULT_BUCKET_BYTES
+
+__all__ = ["agree", "distribute", "collect", "LoadPlan", "TensorMeta", "Source", "DEFAULT_BUCKET_BYTES"]

@@ -1,0 +1,297 @@
+"""Agreement: the metadata of a load agreed on every rank before any tensor moves, and the
+per-bucket status agreement that turns a failure on any rank into the same error on every rank.
+
+Failure protocol (``docs/failure_model.md``): a failure on any rank, in any phase, becomes the same
+exception on every rank. The metadata agreement (:func:`agree`, one object all-gather) carries each
+rank's local error; after it every bucket has exactly one status agreement (:class:`Status`: one
+``all_reduce`` of three int64s: the lowest failing rank, and a checksum of the replicated tensors
+read since the last agreement), placed before any byte of that bucket moves, plus one after the
+last bucket. A rank that fails (a read, a pack, an unpack, the caller's code thrown in with
+``generator.throw``) stops working and goes to the next agreement, where every rank raises the
+lowest failing rank's error (one object all-gather of the messages, only then). Outputs are yielded
+only after their bucket's agreement, and the final agreement runs before the generator ends, so a
+caller that assigns after the loop never assigns on one rank what another rank failed to load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdptk._dist import _comm_device, all_gather_object, comm_errors, error_payload, raise_lowest
+from fsdptk._dist import raise_problems as _raise
+from fsdptk._dist import world as _world
+from fsdptk._engine.layouts import Layout, layout_of
+from fsdptk._engine.sources import Source, SourceProblem, TensorMeta, as_source
+
+
+@dataclass
+class LoadPlan:
+    """The agreed metadata of one load, returned by :func:`agree` and consumed by ``distribute``.
+
+    Attributes:
+        keys: fqns present in both targets and source, in target order (what ``distribute`` yields).
+        missing: target fqns absent from the source.
+        unexpected: source keys that are not targets (rank 0's source when ``src_rank0``).
+        metas: fqn -> :class:`TensorMeta` of the source tensor, for every key in ``keys``.
+        src_rank0: whether only rank 0 reads the source.
+        cast: whether outputs take the target dtype (else the source dtype).
+    """
+
+    keys: list[str]
+    missing: list[str]
+    unexpected: list[str]
+    metas: dict[str, TensorMeta]
+    src_rank0: bool
+    cast: bool
+    _entries: list[tuple[str, Layout]]
+    _layouts: list[list[Any]] | None = None  # per rank: per entry (local, parts); src_rank0 only
+
+    def out_dtype(self, fqn: str, layout: Layout) -> torch.dtype:
+        """The dtype of ``fqn``'s output: the target's (cast, or NF4) or the source's."""
+        if self.cast or layout.quantized:
+            return layout.target.dtype
+        return self.metas[fqn].dtype
+
+
+def _fingerprint(rows: Iterable[tuple[Any, ...]]) -> str:
+    return hashlib.sha1(repr(list(rows)).encode()).hexdigest()
+
+
+def _entry(fqn: str, t: Any) -> tuple[str, Layout]:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"target {fqn!r} is a {type(t).__name__}, not a tensor")
+    return fqn, layout_of(t)
+
+
+def _check_source(entries: list[tuple[str, Layout]], source: Source, cast: bool) -> tuple[Any, ...]:
+    """Validate the source against the targets locally: (problems, missing, unexpected, metas)."""
+    problems: list[tuple[str, str]] = []
+    names = {fqn for fqn, _ in entries}
+    unexpected = [k for k in source.keys() if k not in names]
+    missing: list[str] = []
+    metas: dict[str, TensorMeta] = {}
+    for fqn, layout in entries:
+        if fqn not in source:
+            missing.append(fqn)
+            continue
+        try:
+            meta = source.meta(fqn)
+        except SourceProblem as p:
+            problems.append((p.kind, str(p)))
+            continue
+        metas[fqn] = meta
+        if meta.shape != layout.shape:
+            problems.append(("ValueError", f"{fqn!r}: shape mismatch: the source has "
+                             f"{list(meta.shape)}, the model has {list(layout.shape)}"))
+        src_float = meta.dtype.is_floating_point or meta.dtype.is_complex
+        target = layout.target
+        tgt_float = target.dtype.is_floating_point or target.dtype.is_complex
+        if (cast or layout.quantized) and src_float and not tgt_float:
+            problems.append(("ValueError", f"{fqn!r}: dtype mismatch: cannot load the source's "
+                             f"{meta.dtype} into the model's {target.dtype}"))
+    return problems, missing, unexpected, metas
+
+
+def agree(
+    targets: Sequence[tuple[str, torch.Tensor]],
+    source: Mapping[str, Any] | Source,
+    *,
+    src_rank0: bool = False,
+    cast: bool = True,
+) -> LoadPlan:
+    """Agree on every rank which keys move, with which shapes and dtypes, before any tensor moves.
+
+    One object collective (``all_gather_object``) carries each rank's view: the fingerprint of its
+    targets, its verdict on the source (or only rank 0's when ``src_rank0``) and, when ``src_rank0``,
+    its shard layout, so rank 0 can pack exactly each rank's bytes later.
+
+    Args:
+        targets: ordered ``(fqn, target)`` pairs, the same on every rank. A target is a DTensor
+            (any mesh/placements; the local tensor may be on ``meta``), a plain tensor (replicated),
+            an ``NF4Tensor`` or a DTensor wrapping one.
+        source: full tensors by fqn: a :class:`~fsdptk._engine.sources.Source`, a dict or any
+            Mapping (lazy ones too; one with ``get_slice(key)`` returning a safetensors-style slice
+            is read via its metadata and, in ``distribute``, shard-on-read). Only rank 0's is read
+            when ``src_rank0``.
+        src_rank0: only rank 0 holds the source (others may pass ``{}``).
+        cast: outputs take the target's dtype (a floating source into an integer target is an
+            error); ``False`` keeps the source dtype (no dtype check).
+
+    Returns:
+        LoadPlan: ``keys`` (in target order), ``missing``, ``unexpected``, ``metas``.
+
+    Raises:
+        ValueError: on every rank, listing each shape mismatch (key and both shapes), each float
+            into integer target (key and both dtypes), targets or sources that differ between ranks.
+        TypeError: on every rank, when the only problems are non-tensor values (key and type).
+
+    Example:
+        >>> import torch
+        >>> from fsdptk._engine import agree
+        >>> plan = agree([("w", torch.empty(2, 3, device="meta"))], {"w": torch.ones(2, 3), "x": torch.ones(1)})
+        >>> plan.keys, plan.missing, plan.unexpected
+        (['w'], [], ['x'])
+    """
+    world, rank = _world()
+    entries: list[tuple[str, Layout]] = []
+    source = as_source(source)
+    fp, check, layout, error = None, None, None, None
+    try:  # local work: a failure here (a lazy source raising, a bad target) is agreed below
+        entries = [_entry(fqn, t) for fqn, t in targets]
+        seen: set[str] = set()
+        dupes = [f for f, _ in entries if f in seen or seen.add(f)]  # type: ignore[func-returns-value]
+        if dupes:
+            raise ValueError(f"duplicate target fqns: {dupes}")
+        fp = _fingerprint((f, lay.shape, str(lay.target.dtype), type(lay).__name__) for f, lay in entries)
+        reads = rank == 0 or not src_rank0
+        check = _check_source(entries, source, cast) if reads else None
+        layout = [(lay.local, lay.parts) for _, lay in entries] if src_rank0 and world > 1 else None
+    except Exception as e:  # noqa: BLE001 - raised on every rank just below
+        error = e
+    payloads = all_gather_object((fp, check, layout, error_payload(error)))
+    raise_lowest([p[3] for p in payloads], error)
+    diff = [r for r, p in enumerate(payloads) if p[0] != payloads[0][0]]
+    if diff:
+        raise ValueError(f"the targets (fqns, shapes, dtypes) differ between rank 0 and ranks {diff}")
+    if src_rank0:
+        problems, missing, unexpected, metas = payloads[0][1]
+    else:
+        problems = []
+        for r, p in enumerate(payloads):
+            tag = "" if world == 1 else f"rank {r}: "
+            problems += [(k, tag + m) for k, m in p[1][0]]
+        problems = list(dict.fromkeys(problems))
+        _, missing, unexpected, metas = payloads[0][1]
+        if not problems:
+            diff = [r for r, p in enumerate(payloads) if p[1][1:] != payloads[0][1][1:]]
+            if diff:
+                problems.append(("ValueError", f"the sources differ (keys, shapes or dtypes) between "
+                                 f"rank 0 and ranks {diff}; pass src_rank0=True to read rank 0's only"))
+    _raise(problems, "cannot load the state")
+    keep = [(f, lay) for f, lay in entries if f in metas]
+    layouts = None
+    if src_rank0 and world > 1:
+        index = {f: i for i, (f, _) in enumerate(entries)}
+        layouts = [[p[2][index[f]] for f, _ in keep] for p in payloads]
+    return LoadPlan([f for f, _ in keep], missing, unexpected, metas, src_rank0, cast, keep, layouts)
+
+
+# ---------------------------------------------------------------------------------------------
+# status agreement (the failure protocol of distribute and collect; see the module docstring)
+
+_SUM_BITS = 60  # checksums fit an int64 with room to negate
+
+
+def _checksum(tensors: Iterable[torch.Tensor]) -> int:
+    """A cheap content checksum: the sum of the tensors' 32-bit words (16-bit, 8-bit for odd sizes).
+
+    Any changed value changes it; a permutation of the same values does not (not needed here: it
+    tells apart what different ranks loaded, not an adversary).
+    """
+    total = 0
+    for t in tensors:
+        b = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        if b.storage_offset() % 4:  # word views need aligned storage: the same sum either way
+            b = b.clone()
+        n = b.numel()
+        words = b.view(torch.int32) if n % 4 == 0 else b.view(torch.int16) if n % 2 == 0 else b
+        total = total * 1000003 + n + int(torch.sum(words, dtype=torch.int64))
+    return total & ((1 << _SUM_BITS) - 1)
+
+
+class Status:
+    """One rank's side of the status agreements of one engine call.
+
+    ``error`` is this rank's first failure (its own, or the caller's thrown in with
+    ``generator.throw``); ``sums`` the checksums of the replicated (non-DTensor) tensors this rank
+    read since the last agreement, kept only when every rank reads its own source.
+    """
+
+    def __init__(self, what: str, check_replicas: bool = False) -> None:
+        self.what = what
+        self.error: BaseException | None = None
+        self.check_replicas = check_replicas
+        self.sums: list[tuple[str, int]] = []
+
+    def fail(self, error: BaseException, context: str | None = None) -> None:
+        """Record ``error`` (the first one only); ``context`` (e.g. the key) becomes a note."""
+        if self.error is None:
+            if context:
+                error.add_note(f"fsdptk {self.what}: {context} on rank {_world()[1]}")
+            self.error = error
+
+    def replica(self, fqn: str, tensors: Iterable[torch.Tensor]) -> None:
+        """Remember the checksum of a replicated tensor this rank read from its own source."""
+        if self.check_replicas:
+            self.sums.append((fqn, _checksum(tensors)))
+
+    def agree(self) -> None:
+        """Collective: raise the lowest failing rank's error, or differing replicas, on every rank."""
+        world, rank = _world()
+        if world == 1:
+            if self.error is not None:
+                raise self.error
+            return
+        h = int(hashlib.sha1(repr(self.sums).encode()).hexdigest(), 16) & ((1 << _SUM_BITS) - 1)
+        t = torch.tensor([world - rank if self.error is not None else 0, h, -h], dtype=torch.int64,
+                         device=_comm_device())
+        with comm_errors(self.what):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        failed, high, low = (int(v) for v in t.tolist())
+        if failed:
+            raise_lowest(all_gather_object(error_payload(self.error)), self.error)
+        if high != -low:
+            self._raise_replicas_differ()
+        self.sums = []
+
+    def _raise_replicas_differ(self) -> None:
+        views = [dict(v) for v in all_gather_object(self.sums)]
+        bad: dict[str, list[int]] = {}
+        for r, view in enumerate(views[1:], start=1):
+            for fqn, s in view.items():
+                if views[0].get(fqn) != s:
+                    bad.setdefault(fqn, []).append(r)
+        shown = "; ".join(f"{fqn!r}: ranks {ranks} differ from rank 0" for fqn, ranks in bad.items())
+        raise ValueError(
+            f"cannot load the state: {len(bad)} replicated (non-DTensor) tensor(s) would hold "
+            f"different values on different ranks ({shown}). Each rank read its own source: give "
+            "every rank the same values, or pass broadcast_from_rank0=True so that every rank gets "
+            "rank 0's."
+        )
+
+    def abandon(self) -> None:
+        """The caller dropped the generator mid-way: still take part in the next agreement."""
+        if self.error is None:
+            self.error = RuntimeError(
+                f"fsdptk {self.what}: rank {_world()[1]} stopped iterating before the end (the code "
+                "consuming the generator raised there, or broke out of its loop); that rank's own "
+                "error has the cause")
+        try:
+            self.agree()
+        except Exception:  # noqa: BLE001 - this rank is already leaving with its own error
+            pass
+
+
+def hand_over(items: Iterable[Any], status: Status) -> Iterator[Any]:
+    """Yield ``items`` to the caller; an exception thrown in (``generator.throw``) is recorded."""
+    for item in items:
+        try:
+            yield item
+        except Exception as e:  # noqa: BLE001 - the caller's failure, agreed at the next boundary
+            status.fail(e, "the caller's code failed")
+            return
+
+
+def guarded(body: Iterator[Any], status: Status) -> Iterator[Any]:
+    """Run an engine generator ``body`` so that a caller who abandons it still agrees."""
+    try:
+        yield from body
+    except GeneratorExit:
+        status.abandon()
+        raise

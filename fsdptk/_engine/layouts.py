@@ -1,0 +1,274 @@
+"""Layouts: how one target tensor is split into this rank's pieces and assembled back.
+
+One small class per kind of target: :class:`PlainLayout` (a replicated plain tensor),
+:class:`DTensorLayout` (any mesh and placements DTensor produces, ``_StridedShard`` included),
+:class:`NF4Layout` (a plain ``NF4Tensor``) and :class:`DTensorNF4Layout` (a DTensor wrapping an
+NF4 chunk). A layout knows this rank's ``local`` part of the full tensor (a box, or for NF4 the
+path of dim-0 chunks), the ``(shape, dtype)`` of the pieces that carry it, how to cut any rank's
+pieces out of a full tensor, and how to assemble and wrap received pieces.
+
+All placement math comes from DTensor (``_get_shard_size_and_offsets``, the function behind
+``compute_local_shape_and_global_offset``); only NF4 uses torchao's own dim-0 split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdptk import nf4 as _nf4
+from fsdptk._compat import StridedShard, dtensor_like, get_shard_size_and_offsets, local_tensor
+
+# A box is one rank's piece of a full tensor: per dim either a ``slice(start, stop)`` or a tuple of
+# indices (only _StridedShard produces non-contiguous index sets).
+Box = tuple[Any, ...]
+Parts = list[tuple[tuple[int, ...], torch.dtype]]
+
+
+# ---------------------------------------------------------------------------------------------
+# boxes
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    """The box covering a whole tensor of ``shape``."""
+    return tuple(slice(0, n) for n in shape)
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    """The shape of the piece at ``box``."""
+    return tuple(b.stop - b.start if isinstance(b, slice) else len(b) for b in box)
+
+
+def extract(full: Any, box: Box) -> Any:
+    """``full``'s piece at ``box``; ``full`` is a tensor or anything indexable by a tuple of slices.
+
+    Only the covering range is read from a lazy object (shard-on-read); strided dims are then
+    picked with ``index_select``.
+    """
+    slices = tuple(b if isinstance(b, slice) else slice(min(b), max(b) + 1) for b in box)
+    piece = full[slices] if slices else full[...]
+    for d, b in enumerate(box):
+        if not isinstance(b, slice):
+            piece = piece.index_select(d, torch.tensor(b, dtype=torch.long) - min(b))
+    return piece
+
+
+def place(full: torch.Tensor, box: Box, piece: torch.Tensor) -> None:
+    """Write ``piece`` into ``full`` at ``box`` (the inverse of :func:`extract`)."""
+    dims = [d for d, b in enumerate(box) if not isinstance(b, slice)]
+    view = full[tuple(b if isinstance(b, slice) else slice(None) for b in box)]
+    if not dims:
+        view.copy_(piece)
+    elif len(dims) == 1:
+        view.index_copy_(dims[0], torch.tensor(box[dims[0]], dtype=torch.long), piece)
+    else:  # several strided dims (not produced by FSDP2 + TP, kept for completeness): peel one
+        d = dims[0]
+        rest = tuple(slice(0, view.shape[i]) if i == d else b for i, b in enumerate(box))
+        for j, g in enumerate(box[d]):
+            sub = tuple(b for i, b in enumerate(rest) if i != d)
+            place(view.select(d, g), sub, piece.select(d, j))
+
+
+def dtensor_box(t: DTensor) -> Box:
+    """This rank's box of ``t`` from DTensor's own placement math (Shard, _StridedShard, Replicate)."""
+    mesh, shape = t.device_mesh, tuple(t.shape)
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return tuple(slice(0, 0) for _ in shape)
+    offsets: dict[int, torch.Tensor] = {}
+    local = list(shape)
+    for mesh_dim, p in enumerate(t.placements):
+        if isinstance(p, Replicate):
+            continue
+        if not isinstance(p, (Shard, StridedShard)):
+            raise ValueError(f"unsupported placement {p} (mesh dim {mesh_dim}) for a full<->shard move")
+        d = p.dim + len(shape) if p.dim < 0 else p.dim
+        size, idx = get_shard_size_and_offsets(
+            local[d], mesh.size(mesh_dim), coord[mesh_dim], p, offsets.get(d), shape[d], False
+        )
+        local[d] = size
+        offsets[d] = idx if size else torch.empty(0, dtype=torch.long)
+    box: list[Any] = []
+    for d, n in enumerate(shape):
+        idx = offsets.get(d)
+        if idx is None:
+            box.append(slice(0, n))
+        elif idx.numel() == 0:
+            box.append(slice(0, 0))
+        elif bool((idx == torch.arange(int(idx[0]), int(idx[0]) + idx.numel())).all()):
+            box.append(slice(int(idx[0]), int(idx[0]) + idx.numel()))
+        else:
+            box.append(tuple(int(i) for i in idx.tolist()))
+    return tuple(box)
+
+
+def _is_sender(t: DTensor) -> bool:
+    """One replica sends: coordinate 0 on every Replicate mesh dim."""
+    coord = t.device_mesh.get_coordinate()
+    if coord is None:
+        return False
+    return all(c == 0 for c, p in zip(coord, t.placements) if isinstance(p, Replicate))
+
+
+def _nf4_path(t: DTensor) -> list[tuple[int, int]]:
+    coord = t.device_mesh.get_coordinate() or [0] * t.device_mesh.ndim
+    path = []
+    for mesh_dim, p in enumerate(t.placements):
+        if isinstance(p, Replicate):
+            continue
+        if type(p) is not Shard or p.dim != 0:
+            raise ValueError(f"NF4 tensors support only Shard(0) and Replicate placements, got {p}")
+        path.append((t.device_mesh.size(mesh_dim), coord[mesh_dim]))
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# layouts
+
+
+class Layout:
+    """The base of the layouts, with a plain tensor's behaviour (see :class:`PlainLayout`).
+
+    Attributes:
+        target: the target tensor (may live on ``meta``).
+        shape: its full shape.
+        local: this rank's part (a box; for NF4 kinds a chunk path), exchanged with rank 0.
+        parts: ``(shape, dtype)`` of the pieces carrying ``local`` (NF4 kinds only; else ``[]``).
+    """
+
+    replicated = True  # every rank holds the same full value (checked across ranks on a local load)
+    quantized = False  # outputs always take the target's dtype
+
+    def __init__(self, target: torch.Tensor) -> None:
+        self.target = target
+        self.shape = tuple(target.shape)
+        self.local: Any = full_box(self.shape)
+        self.parts: Parts = []
+
+    def wire_parts(self, local: Any, parts: Parts, dtype: torch.dtype) -> Parts:
+        """``(shape, dtype)`` of the pieces of a rank whose layout exchanged ``(local, parts)``."""
+        return [(box_shape(local), dtype)]
+
+    def read_local(self, source: Any, key: str, dtype: torch.dtype, device: torch.device,
+                   release: bool) -> torch.Tensor:
+        """This rank's local tensor read from its own ``source``."""
+        full = source.read(key)
+        if release and full.dtype == dtype and full.device == device and full.is_contiguous():
+            return full.detach()  # the caller gave the entry up: no copy
+        return torch.empty(full.shape, dtype=dtype, device=device).copy_(full)
+
+    def cut(self, full: torch.Tensor, locals_: Sequence[Any], dtype: torch.dtype,
+            comm: torch.device) -> list[list[torch.Tensor]]:
+        """Rank 0: every rank's pieces (by its exchanged ``local``) cut out of the full tensor."""
+        full = full.to(dtype)
+        return [[extract(full, local)] for local in locals_]
+
+    def assemble(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's local tensor from its pieces."""
+        return pieces[0]
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        """The output value of the target's kind around ``local``."""
+        return local
+
+    def replica_tensors(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """The tensors whose checksum stands for a replicated local value."""
+        return [local]
+
+    def send_box(self, rank: int) -> Box | None:
+        """Gathering: this rank's box of the full tensor when it sends it, else ``None``."""
+        return self.local if rank == 0 else None
+
+    def send_local(self) -> torch.Tensor:
+        """Gathering: the (dequantised, detached) local tensor to send."""
+        return self.target.detach()
+
+
+class PlainLayout(Layout):
+    """A plain (replicated) tensor: every rank holds all of it; rank 0 sends it when gathering."""
+
+
+class DTensorLayout(Layout):
+    """A DTensor on any mesh: this rank's box from DTensor's placement math; one replica sends."""
+
+    replicated = False
+
+    def __init__(self, target: torch.Tensor) -> None:
+        super().__init__(target)
+        self.local = dtensor_box(target)  # type: ignore[arg-type]
+
+    def read_local(self, source: Any, key: str, dtype: torch.dtype, device: torch.device,
+                   release: bool) -> torch.Tensor:
+        raw = source.read(key, self.local)
+        return torch.empty(raw.shape, dtype=dtype, device=device).copy_(raw)
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        return dtensor_like(self.target, local)  # type: ignore[arg-type]
+
+    def send_box(self, rank: int) -> Box | None:
+        return self.local if _is_sender(self.target) else None  # type: ignore[arg-type]
+
+    def send_local(self) -> torch.Tensor:
+        return local_tensor(self.target).detach()
+
+
+class NF4Layout(Layout):
+    """A plain ``NF4Tensor``: the full tensor is quantised with the target's block sizes; its
+    pieces are the NF4 inner tensors (of this rank's dim-0 chunk, see :class:`DTensorNF4Layout`)."""
+
+    quantized = True
+
+    def __init__(self, target: torch.Tensor) -> None:
+        super().__init__(target)
+        self.like = local_tensor(target)
+        self.local = []
+        self.parts = [(tuple(p.shape), p.dtype) for p in _nf4.inner_tensors(self.like)]
+
+    def wire_parts(self, local: Any, parts: Parts, dtype: torch.dtype) -> Parts:
+        return parts
+
+    def read_local(self, source: Any, key: str, dtype: torch.dtype, device: torch.device,
+                   release: bool) -> torch.Tensor:
+        q = _nf4.quantize_like(source.read(key).to(device), self.like)
+        return _nf4.chunk(q, self.local)
+
+    def cut(self, full: torch.Tensor, locals_: Sequence[Any], dtype: torch.dtype,
+            comm: torch.device) -> list[list[torch.Tensor]]:
+        q = _nf4.quantize_like(full.to(comm), self.like)
+        return [_nf4.inner_tensors(_nf4.chunk(q, local)) for local in locals_]
+
+    def assemble(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        return _nf4.from_inner_tensors(pieces, self.like)
+
+    def replica_tensors(self, local: torch.Tensor) -> list[torch.Tensor]:
+        return _nf4.inner_tensors(local)
+
+    def send_local(self) -> torch.Tensor:
+        return _nf4.dequantize(self.like)
+
+
+class DTensorNF4Layout(NF4Layout):
+    """A DTensor wrapping an NF4 chunk (Shard(0) / Replicate placements only)."""
+
+    replicated = False
+
+    def __init__(self, target: torch.Tensor) -> None:
+        super().__init__(target)
+        self.local = _nf4_path(target)  # type: ignore[arg-type]  # validates the placements
+        self.box = dtensor_box(target)  # type: ignore[arg-type]
+
+    def wrap(self, local: torch.Tensor) -> torch.Tensor:
+        return dtensor_like(self.target, local)  # type: ignore[arg-type]
+
+    def send_box(self, rank: int) -> Box | None:
+        return self.box if _is_sender(self.target) else None  # type: ignore[arg-type]
+
+
+def layout_of(t: torch.Tensor) -> Layout:
+    """The layout of a target tensor."""
+    if isinstance(t, DTensor):
+        return DTensorNF4Layout(t) if _nf4.is_nf4(local_tensor(t)) else DTensorLayout(t)
+    return NF4Layout(t) if _nf4.is_nf4(t) else PlainLayout(t)

@@ -1,0 +1,100 @@
+"""The source protocol of the engine: where full tensors come from during a load.
+
+A source answers three questions, and the engine asks nothing else (it knows no file format):
+
+* metadata: ``keys()``, ``key in source`` and ``meta(key)`` (shape and dtype, ideally without
+  reading the data);
+* read a box: ``read(key, box)`` returns the piece of the full tensor at ``box`` (``box=None``:
+  the full tensor); a lazy source reads only the covering region (shard-on-read);
+* release: ``release(key)`` drops the caller's entry once it is no longer needed.
+
+:class:`MappingSource` adapts a Mapping of full tensors (a dict, a lazy Mapping). A Mapping whose
+values are read through safetensors-style slice objects (``get_slice(key)``) is adapted by the
+safetensors reader's own :class:`fsdptk._safetensors_io.SliceSource`, which owns that format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fsdptk._engine.layouts import Box, extract
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of a source tensor, as agreed on every rank."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class SourceProblem(Exception):
+    """A source entry that cannot be loaded as it is (``kind`` is ``"TypeError"``/``"ValueError"``)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@runtime_checkable
+class Source(Protocol):
+    """What the engine reads full tensors from (see the module docstring)."""
+
+    def keys(self) -> Iterable[str]: ...
+
+    def __contains__(self, key: object) -> bool: ...
+
+    def meta(self, key: str) -> TensorMeta: ...
+
+    def read(self, key: str, box: Box | None = None) -> torch.Tensor: ...
+
+    def release(self, key: str) -> None: ...
+
+
+class MappingSource:
+    """A Mapping of full tensors as a :class:`Source` (every read takes the full value)."""
+
+    def __init__(self, mapping: Mapping[str, Any]) -> None:
+        self.mapping = mapping
+
+    def keys(self) -> Iterable[str]:
+        return self.mapping.keys()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.mapping
+
+    def meta(self, key: str) -> TensorMeta:
+        value = self.mapping[key]
+        if isinstance(value, DTensor):
+            raise SourceProblem("TypeError", f"{key!r}: the source holds a DTensor; expected a full (plain) tensor")
+        if not isinstance(value, torch.Tensor):
+            raise SourceProblem("TypeError", f"{key!r}: expected a tensor, got {type(value).__name__} ({value!r:.60})")
+        return TensorMeta(tuple(value.shape), value.dtype)
+
+    def read(self, key: str, box: Box | None = None) -> torch.Tensor:
+        full = self.mapping[key]
+        return full if box is None else extract(full, box)
+
+    def release(self, key: str) -> None:
+        if hasattr(self.mapping, "__delitem__"):
+            try:
+                del self.mapping[key]  # type: ignore[attr-defined]
+            except (KeyError, TypeError, NotImplementedError):
+                pass
+
+
+def as_source(obj: Any) -> Source:
+    """``obj`` as a :class:`Source`: itself when it is one; a safetensors-style Mapping through the
+    safetensors reader's adapter; any other Mapping through :class:`MappingSource`."""
+    if isinstance(obj, Source):
+        return obj
+    if callable(getattr(obj, "get_slice", None)):
+        from fsdptk._safetensors_io import SliceSource
+
+        return SliceSource(obj)
+    return MappingSource(obj)
