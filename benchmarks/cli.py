@@ -7,6 +7,7 @@ Examples::
     .venv-peers/bin/python -m benchmarks --sizes 0.5 1 --worlds 4 2 --repeats 2 --write-docs
     .venv-peers/bin/python -m benchmarks --from-json results.json --write-docs   # re-render only
     .venv-peers/bin/python -m benchmarks --device cuda --write-docs   # on a GPU machine: NCCL, GPU section
+    .venv-peers/bin/python -m benchmarks wire --worlds 2 4 --repeats 5   # load/gather vs raw p2p and DCP
 
 ``--device cuda`` runs the same scenarios with each rank on its own GPU (``cuda:<rank>``) over NCCL:
 shards are loaded onto / gathered from the GPUs, the in-memory full states the methods read are in
@@ -293,6 +294,11 @@ def merge_results(parts: list[dict]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["wire"]:  # the wire benchmark: rank-0 load and gather beside a raw transfer
+        from .wire import main as wire_main
+
+        return wire_main(argv[1:])
     args = parse_args(argv)
     if args.device == "cuda" and not args.from_json:
         problem = cuda_problem(args)

@@ -54,7 +54,7 @@ def save_checkpoint(root: Path, step: int, model: nn.Module, opt: torch.optim.Op
             torch.save(osd, tmp / "optimizer.pt")
         del osd
     else:
-        fsdptk.save_dcp(tmp / "dcp", model, opt)
+        fsdptk.save_dcp(model, tmp / "dcp", opt)
     dist.barrier()
     if rank0:
         state = {"step": step, "losses": {str(k): v for k, v in losses.items()},
@@ -79,7 +79,7 @@ def load_optimizer(directory: Path, model: nn.Module, opt: torch.optim.Optimizer
         osd = torch.load(directory / "optimizer.pt", map_location="cpu", weights_only=True, mmap=True) if rank0 else {}
         fsdptk.load_from_full_optimizer_state_dict(model, opt, osd, device, broadcast_from_rank0=True)
     else:  # model and optimizer shards (the model is the same as the safetensors file)
-        fsdptk.load_dcp(directory / "dcp", model, opt)
+        fsdptk.load_dcp(model, directory / "dcp", opt)
 
 
 def read_train_state(directory: Path) -> dict:

@@ -29,15 +29,17 @@ _LAZY: dict[str, str] = {
     "shard_model": "sharding",
     "describe_sharding": "sharding",
     "ShardingPlan": "sharding",
-    "ShardConditionError": "sharding",
+    "ShardConditionError": "errors",
     "apply_activation_checkpointing": "activation",
-    "load_safetensors": "checkpoint", "save_safetensors": "checkpoint", "SafetensorsCheckpoint": "checkpoint", "CheckpointError": "checkpoint", "save_dcp": "checkpoint", "load_dcp": "checkpoint", "dcp_to_safetensors": "checkpoint", "safetensors_to_dcp": "checkpoint",
+    "load_safetensors": "checkpoint", "save_safetensors": "checkpoint", "SafetensorsCheckpoint": "checkpoint", "CheckpointError": "errors", "save_dcp": "checkpoint", "load_dcp": "checkpoint", "dcp_to_safetensors": "checkpoint", "safetensors_to_dcp": "checkpoint",
     "materialize": "buffers", "params_on_meta": "buffers", "register_buffer_init": "buffers",
     "load_from_full_model_state_dict": "state_dict", "gather_cpu_state_dict": "state_dict", "iter_full_state_dict": "state_dict",
     "get_full_optimizer_state_dict": "optim", "load_from_full_optimizer_state_dict": "optim", "iter_full_optimizer_state": "optim", "get_optimizer_param_groups": "optim", "to_fqn_optimizer_state_dict": "optim",
     "hf_meta_model": "hf", "save_hf_config": "hf",
     "prepare_mha_for_tp": "tp", "apply_tp": "tp", "build_tp_plan": "tp_plan", "llama_tp_plan": "tp_plan",
     "hf_tp_plan": "_hf_tp",
+    # one exception module (each class also importable from the module that raises it)
+    "StateDictMismatchError": "errors", "CheckpointLockedError": "errors",
 }
 
 

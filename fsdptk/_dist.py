@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -43,6 +44,34 @@ def _comm_device() -> torch.device:
         return torch.device("cpu")
     acc = torch.accelerator.current_accelerator()
     return torch.device(acc or "cuda", torch.accelerator.current_device_index())
+
+
+def check_rank_zero(fn: str, is_rank_zero: bool) -> bool:
+    """Whether the caller's ``is_rank_zero`` holds here; warns (once per call site) when it
+    disagrees with the real global rank. Internal helper; not exported from ``fsdptk``."""
+    rank = world()[1]
+    if bool(is_rank_zero) != (rank == 0):
+        warnings.warn(f"{fn}(is_rank_zero={is_rank_zero!r}) called on global rank {rank}: the gathered "
+                      "state is returned only where is_rank_zero is True AND the rank is 0 (only rank 0 "
+                      "receives it); pass is_rank_zero=(rank == 0)", UserWarning, stacklevel=3)
+    return bool(is_rank_zero) and rank == 0
+
+
+def check_comm_device(fn: str, device: torch.device | str | None) -> None:
+    """torchtune's ``device`` argument of a gather: the device its communication runs on.
+
+    fsdptk communicates on the device the default process group's backend uses (CPU for gloo, the
+    current accelerator otherwise); a ``device`` of another type cannot be honoured, so it warns
+    (once per call site). ``None``, or no process group (nothing is communicated): nothing to check.
+    Internal helper; not exported from ``fsdptk``.
+    """
+    if device is None or world()[0] == 1:
+        return
+    wanted, used = torch.device(device), _comm_device()
+    if wanted.type != used.type:
+        warnings.warn(f"{fn}(device={str(wanted)!r}) is not used: the process group's backend "
+                      f"({dist.get_backend()}) communicates on {used.type}; the results are CPU tensors "
+                      "either way (pass device=None)", UserWarning, stacklevel=3)
 
 
 @contextmanager

@@ -277,13 +277,13 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str
             around its blocks.
 
     Example:
-        >>> dims = ParallelDims(dp_shard=2, tp=2)
-        >>> mesh = dims.build_mesh("cuda")
-        >>> plan = hf_tp_plan(model)
-        >>> plan["model.layers.0.self_attn.q_proj"]
+        >>> dims = ParallelDims(dp_shard=2, tp=2)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
+        >>> mesh = dims.build_mesh("cuda")  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
+        >>> plan = hf_tp_plan(model)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
+        >>> plan["model.layers.0.self_attn.q_proj"]  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
         ColwiseKeepTied(input_layouts=(Replicate(),), output_layouts=(Shard(dim=-1),), ...)
-        >>> apply_tp(model, mesh["tp"], plan)
-        >>> shard_model(model, no_split_modules(model), cpu_offload=False, dp_mesh=dims.fsdp_mesh)
+        >>> apply_tp(model, mesh["tp"], plan)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
+        >>> shard_model(model, no_split_modules(model), cpu_offload=False, dp_mesh=dims.fsdp_mesh)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -352,9 +352,9 @@ def describe_hf_2d(model: nn.Module, shard_conditions: Any, *, world_size: int, 
             head counts do not split over ``tp`` ranks.
 
     Example:
-        >>> model = hf_meta_model("ckpt")  # doctest: +SKIP
-        >>> plan = describe_hf_2d(model, no_split_modules(model), world_size=8, tp=2)  # doctest: +SKIP
-        >>> plan.total_bytes_per_rank  # doctest: +SKIP
+        >>> model = hf_meta_model("ckpt")  # needs an HF checkpoint; tests/test_hf_tp.py runs it  # doctest: +SKIP
+        >>> plan = describe_hf_2d(model, no_split_modules(model), world_size=8, tp=2)  # needs an HF checkpoint; tests/test_hf_tp.py runs it  # doctest: +SKIP
+        >>> plan.total_bytes_per_rank  # needs an HF checkpoint; tests/test_hf_tp.py runs it  # doctest: +SKIP
     """
     from fsdptk.sharding import describe_sharding
 

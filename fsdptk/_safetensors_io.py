@@ -45,8 +45,7 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used as it is: corrupt, truncated, inconsistent or mismatched."""
+from fsdptk.errors import CheckpointError  # noqa: E402 - re-exported (its old import path)
 
 
 def parse_size(size: int | str) -> int:

@@ -141,8 +141,7 @@ class _Plan:
     params_of: dict[int, list[nn.Parameter]] = field(default_factory=dict)  # id(unit) -> params
 
 
-class ShardConditionError(RuntimeError):
-    """A shard condition raised while being evaluated on a module (nothing was sharded)."""
+from fsdptk.errors import ShardConditionError  # noqa: E402 - re-exported (its old import path)
 
 
 def _as_conditions(shard_conditions: Any) -> list[ShardCondition]:

@@ -74,6 +74,7 @@ def apply_activation_checkpointing(
         ValueError: when nothing matched, ``mode`` is unknown, the model is already sharded, or a
             matched module is already checkpointed (nothing is changed).
         ShardConditionError: when a condition raises (names it and the module; nothing changed).
+        TypeError: ``model`` is not an ``nn.Module`` (names its type).
 
     Example:
         >>> import torch

@@ -28,6 +28,7 @@ from torch import nn
 from fsdptk._checkpoint_common import Rename, infer_device, progress_bar, rename_keys, trim_heap
 from fsdptk._dist import all_gather_object, raise_if_any, run_agreed
 from fsdptk._dist import world as _world
+from fsdptk._engine import bucket_size
 from fsdptk._names import tie_groups
 from fsdptk._files.lock import CheckpointLockedError
 from fsdptk._safetensors_io import (
@@ -66,11 +67,7 @@ PathLike = str | os.PathLike[str]
 
 
 def _bucket(bucket_bytes: int | None) -> dict[str, int]:
-    if bucket_bytes is None:
-        return {}
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    return {"bucket_bytes": bucket_bytes}
+    return {"bucket_bytes": bucket_size(bucket_bytes)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -199,10 +196,13 @@ def load_safetensors(
         FileNotFoundError: no checkpoint at ``path`` (or a shard missing), on every rank.
         CheckpointError: a corrupt/truncated file, an index naming a key its file lacks, on every
             rank.
-        ValueError: a rename collision, a shape mismatch; non-persistent buffers on ``meta``
-            that no rule can compute (names them and the remedies), on every rank.
-        RuntimeError: ``strict=True`` with missing or unexpected keys (listing them), on every
-            rank before the model changes.
+        ValueError: a rename collision, a shape mismatch, ``bucket_bytes`` not a positive int;
+            non-persistent buffers on ``meta`` that no rule can compute (names them and the
+            remedies), on every rank.
+        StateDictMismatchError: ``strict=True`` with missing or unexpected keys (a
+            ``RuntimeError`` with torch's message, carrying ``missing_keys`` and
+            ``unexpected_keys``), on every rank before the model changes.
+        TypeError: ``shard_on_read`` is not a bool or None.
 
     Example:
         >>> import tempfile, torch
@@ -336,7 +336,7 @@ def save_safetensors(
         Path: the index file, or the single ``model.safetensors`` (on every rank).
 
     Raises:
-        ValueError: bad ``tied`` / ``max_shard_size``, a rename collision, or (``write_config``)
+        ValueError: bad ``tied`` / ``max_shard_size`` / ``bucket_bytes``, a rename collision, or (``write_config``)
             transformers' save-time validation refuses the model's config; every rank, before any
             tensor moves.
         TypeError: ``dtype`` is not a floating ``torch.dtype``.

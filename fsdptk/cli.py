@@ -43,8 +43,7 @@ __all__ = ["main", "build_parser", "CLIError", "inspect_checkpoint", "TensorInfo
 _REPO_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_llama.py"
 
 
-class CLIError(Exception):
-    """A user-facing failure: printed as ``fsdptk <command>: error: <message>``, exit code 1."""
+from fsdptk.errors import CLIError  # noqa: E402 - re-exported (its old import path)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from fsdptk._files.paths import check_disjoint
 from fsdptk._files.safe_pickle import safe_load_planner, safe_reader
 from fsdptk._safetensors_io import CheckpointError, SafetensorsCheckpoint, parse_size
 from fsdptk._safetensors_writer import ShardedWriter
+from fsdptk.errors import StateDictMismatchError
 
 __all__ = [
     "save_dcp",
@@ -165,9 +166,21 @@ def _pg_initialised() -> bool:
 
 # ----------------------------------------------------------------------------------------------
 # save / load for resuming
+def _check_order(fn: str, model: Any, path: Any, rest: str) -> None:
+    """TypeError for the old argument order ``fn(path, model, ...)`` (or a non-module model)."""
+    if isinstance(model, (str, os.PathLike)) and isinstance(path, nn.Module):
+        raise TypeError(f"{fn}() takes the model first: call {fn}(model, path{rest}) "
+                        f"instead of {fn}(path, model{rest}) (got path={str(model)!r} first and a "
+                        f"{type(path).__name__} second)")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{fn}(model, path{rest}): model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{fn}(model, path{rest}): path must be a str or os.PathLike, got {type(path).__name__}")
+
+
 def save_dcp(
-    path: PathLike,
     model: nn.Module,
+    path: PathLike,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     extra: dict[str, Any] | None = None,
@@ -187,8 +200,8 @@ def save_dcp(
     failed save deletes its staging directory and leaves ``path`` as it was.
 
     Args:
-        path: the checkpoint directory.
         model: the (sharded) model.
+        path: the checkpoint directory.
         optimizer: its optimizer, if its state is to be saved.
         extra: plain extra state (step, data loader position, ``torch.get_rng_state()``, ...):
             tensors, numbers, strings, bools, None, and lists, tuples and dicts of them (it is read
@@ -198,7 +211,9 @@ def save_dcp(
         Path: ``path``.
 
     Raises:
-        TypeError: ``extra`` holds other objects (e.g. a numpy array), on every rank.
+        TypeError: ``extra`` holds other objects (e.g. a numpy array), on every rank; ``model`` is
+            not an ``nn.Module`` or ``path`` not a path, or the arguments are in the old order
+            ``save_dcp(path, model, ...)`` (the message says how to call it now).
         CheckpointLockedError: another writer holds ``path``'s lock (a ``BlockingIOError`` naming
             its pid, host and start time), on every rank.
         OSError: the directory cannot be written (on every rank).
@@ -208,13 +223,14 @@ def save_dcp(
         >>> from fsdptk import save_dcp, load_dcp
         >>> d = tempfile.mkdtemp() + "/step_10"
         >>> model = torch.nn.Linear(3, 2)
-        >>> _ = save_dcp(d, model, extra={"step": 10})
-        >>> load_dcp(d, torch.nn.Linear(3, 2))
+        >>> _ = save_dcp(model, d, extra={"step": 10})
+        >>> load_dcp(torch.nn.Linear(3, 2), d)
         {'step': 10}
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    run_agreed(lambda: _check_order("save_dcp", model, path, ", optimizer, extra=..."))
     path = Path(path)
     # local steps between collectives: a failure on one rank is raised on every rank
     state: dict[str, Any] = run_agreed(lambda: _take_state(model, optimizer, get_state_dict,
@@ -248,14 +264,27 @@ def _dcp_keys(path: Path) -> dict[str, Any]:
     return dict(safe_reader(path).read_metadata().state_dict_metadata)
 
 
+def _check_model_keys(model: nn.Module, msd: dict[str, Any], keys: dict[str, Any]) -> None:
+    """StateDictMismatchError when the model's state keys and the checkpoint's ``model.*`` differ."""
+    saved = [k[len("model."):] for k in keys if k.startswith("model.")]
+
+    def covered(key: str, names: Any) -> bool:  # DCP flattens a nested value to "key.sub"
+        return key in names or any(n.startswith(key + ".") for n in names)
+
+    missing = [k for k in msd if not covered(k, saved)]
+    unexpected = [k for k in saved if k not in msd and not any(k.startswith(m + ".") for m in msd)]
+    if missing or unexpected:
+        raise StateDictMismatchError.for_keys(missing, unexpected, type(model).__name__)
+
+
 def _readable_keys(path: Path) -> tuple[Path, dict[str, Any]]:
     readable = _readable_dir(path)
     return readable, _dcp_keys(readable)
 
 
 def load_dcp(
-    path: PathLike,
     model: nn.Module,
+    path: PathLike,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     strict: bool = True,
@@ -269,12 +298,13 @@ def load_dcp(
     missing), the previous checkpoint is read from its backup beside ``path``.
 
     Args:
-        path: the checkpoint directory.
         model: the model, sharded as it will be trained (materialised, not on ``meta``: use
             :func:`fsdptk.materialize`, never a bare ``to_empty``, whose non-persistent buffers
             would hold uninitialised memory that no checkpoint restores).
+        path: the checkpoint directory.
         optimizer: the optimizer to restore (its state must be in the checkpoint).
-        strict: every model key must be in the checkpoint and vice versa.
+        strict: every model key must be in the checkpoint and vice versa (checked on every rank
+            before anything is read or changed).
 
     Returns:
         dict: the ``extra`` state given to :func:`save_dcp` (``{}`` if none).
@@ -285,6 +315,11 @@ def load_dcp(
         CheckpointError: an optimizer is given but the checkpoint has no optimizer state; the
             metadata holds types other than DCP metadata, names a data file outside the directory
             or one that is not a regular file; a non-tensor value is not plain data.
+        StateDictMismatchError: ``strict=True`` and the model's keys differ from the checkpoint's
+            (``missing_keys`` / ``unexpected_keys``, torch's strict message), on every rank, before
+            the model changes.
+        TypeError: ``model`` is not an ``nn.Module`` or ``path`` not a path, or the arguments are
+            in the old order ``load_dcp(path, model, ...)`` (the message says how to call it).
 
     Example:
         See :func:`save_dcp`.
@@ -298,6 +333,7 @@ def load_dcp(
         set_state_dict,
     )
 
+    run_agreed(lambda: _check_order("load_dcp", model, path, ", optimizer"))
     path, keys = run_agreed(lambda: _readable_keys(Path(path)))
     has_optim = any(k.startswith("optim.") for k in keys)
     if optimizer is not None and not has_optim:
@@ -307,6 +343,8 @@ def load_dcp(
     # local steps between collectives: a failure on one rank is raised on every rank
     state: dict[str, Any] = run_agreed(lambda: _take_state(model, optimizer, get_state_dict,
                                                            get_model_state_dict))
+    if strict:
+        run_agreed(lambda: _check_model_keys(model, state["model"], keys))
     if "extra" in keys:
         state["extra"] = io.BytesIO()
     _quiet_dcp(dcp.load, state, storage_reader=safe_reader(path),
@@ -392,7 +430,7 @@ def dcp_to_safetensors(
         >>> import tempfile, torch
         >>> from fsdptk import save_dcp, dcp_to_safetensors, SafetensorsCheckpoint
         >>> d = tempfile.mkdtemp()
-        >>> _ = save_dcp(f"{d}/dcp", torch.nn.Linear(3, 2))
+        >>> _ = save_dcp(torch.nn.Linear(3, 2), f"{d}/dcp")
         >>> dcp_to_safetensors(f"{d}/dcp", f"{d}/hf").name
         'model.safetensors'
         >>> sorted(SafetensorsCheckpoint(f"{d}/hf"))
@@ -479,7 +517,7 @@ def safetensors_to_dcp(
         >>> _ = save_safetensors(src, f"{d}/hf")
         >>> _ = safetensors_to_dcp(f"{d}/hf", f"{d}/dcp")
         >>> dst = torch.nn.Linear(3, 2)
-        >>> load_dcp(f"{d}/dcp", dst)
+        >>> load_dcp(dst, f"{d}/dcp")
         {}
         >>> torch.equal(dst.weight, src.weight)
         True

@@ -149,9 +149,9 @@ class ParallelDims:
                 mesh was already built for another device type.
 
         Example:
-            >>> dims = ParallelDims(dp_replicate=2, dp_shard=2)  # doctest: +SKIP
-            >>> mesh = dims.build_mesh("cuda")  # doctest: +SKIP
-            >>> mesh.mesh_dim_names  # doctest: +SKIP
+            >>> dims = ParallelDims(dp_replicate=2, dp_shard=2)  # needs a 4-rank group; tests/test_mesh.py runs it  # doctest: +SKIP
+            >>> mesh = dims.build_mesh("cuda")  # needs a 4-rank group; tests/test_mesh.py runs it  # doctest: +SKIP
+            >>> mesh.mesh_dim_names  # needs a 4-rank group; tests/test_mesh.py runs it  # doctest: +SKIP
             ('dp_replicate', 'dp_shard')
         """
         if self._mesh is not None:

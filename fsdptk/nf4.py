@@ -74,7 +74,8 @@ def is_nf4(tensor: Any) -> bool:
         >>> is_nf4(torch.zeros(2))
         False
     """
-    if not isinstance(tensor, torch.Tensor) or not any(m.startswith("torchao") for m in sys.modules):
+    # O(1): a plain tensor, or torchao never imported (importing any torchao module imports "torchao")
+    if not isinstance(tensor, torch.Tensor) or type(tensor) is torch.Tensor or "torchao" not in sys.modules:
         return False
     return any(
         c.__name__ == "NF4Tensor" and c.__module__.startswith("torchao") for c in type(tensor).__mro__

@@ -26,9 +26,10 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdptk import _engine
 from fsdptk._compat import local_tensor
-from fsdptk._dist import agreed, all_gather_object, check_type, is_rank0
+from fsdptk._dist import agreed, all_gather_object, check_comm_device, check_rank_zero, check_type, is_rank0
 from fsdptk._dist import world as _world
-from fsdptk._engine import DEFAULT_BUCKET_BYTES
+from fsdptk._engine import bucket_size
+from fsdptk.errors import StateDictMismatchError
 from fsdptk._optim_layout import (PARAMS, PG, STATE, LoadView, StateSource, local_osd, optim_groups, param_fqns,
                                   plan_load, to_fqn_layout)
 
@@ -49,11 +50,12 @@ def _check_args(model: Any, opt: Any) -> None:
     check_type(opt, torch.optim.Optimizer, "opt", "a torch.optim.Optimizer")
 
 
-def _agreed_layout(model: nn.Module, opt: torch.optim.Optimizer
+def _agreed_layout(model: nn.Module, opt: torch.optim.Optimizer, bucket_bytes: int | None = None
                    ) -> tuple[list[tuple[str, Any, Any]], list[dict[str, Any]]]:
     """:func:`_gather_layout`, with a failure on any rank raised on every rank (collective)."""
     with agreed():
         _check_args(model, opt)
+        bucket_size(bucket_bytes)
         layout = _gather_layout(model, opt)
     return layout
 
@@ -104,7 +106,7 @@ def iter_full_optimizer_state(
     model: nn.Module,
     opt: torch.optim.Optimizer,
     *,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
 ) -> Iterator[list[tuple[str, dict[str, Any]]]]:
     """Stream the full optimizer state to rank 0 as buckets of ``(fqn, per-parameter state)``.
 
@@ -119,7 +121,7 @@ def iter_full_optimizer_state(
     Args:
         model: the (sharded) model; the same structure on every rank.
         opt: its optimizer.
-        bucket_bytes: full-tensor bytes per gather bucket.
+        bucket_bytes: full-tensor bytes per gather bucket (``None``: the engine's default, 16 MiB).
 
     Returns:
         Iterator[list[tuple[str, dict]]]: on rank 0 one list per bucket (possibly empty) of
@@ -142,7 +144,7 @@ def iter_full_optimizer_state(
         >>> [(fqn, sorted(st)) for bucket in iter_full_optimizer_state(model, opt) for fqn, st in bucket]
         [('weight', ['exp_avg', 'exp_avg_sq', 'step']), ('bias', ['exp_avg', 'exp_avg_sq', 'step'])]
     """
-    yield from _iter_state(_agreed_layout(model, opt)[0], bucket_bytes)
+    yield from _iter_state(_agreed_layout(model, opt, bucket_bytes)[0], bucket_size(bucket_bytes))
 
 
 def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int
@@ -193,7 +195,7 @@ def get_full_optimizer_state_dict(
     is_rank_zero: bool,
     device: torch.device | None = None,
     *,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Gather the full optimizer state, keyed by parameter FQN, on rank 0 (``{}`` elsewhere).
 
@@ -209,9 +211,12 @@ def get_full_optimizer_state_dict(
             FSDP + TP, CPU offload or unsharded).
         opt: the optimizer (any ``torch.optim`` optimizer whose state values are tensors shaped
             like their parameter, scalars, or python values).
-        is_rank_zero: whether this is global rank 0 (the dict is returned where this is True).
-        device: accepted for torchtune compatibility; results are always on CPU.
-        bucket_bytes: full-tensor bytes per gather bucket.
+        is_rank_zero: whether this is global rank 0 (the dict is returned where this is True and
+            the rank is 0; a value that disagrees with the real rank warns once).
+        device: the device the gather communicates on, ``None`` for the process group's (as
+            :func:`fsdptk.gather_cpu_state_dict`: one of another type than the backend's warns
+            that it is not used); results are always on CPU.
+        bucket_bytes: full-tensor bytes per gather bucket (``None``: the engine's default, 16 MiB).
 
     Returns:
         dict: the full state on rank 0 (fresh CPU tensors, not shared with the optimizer); ``{}``
@@ -219,8 +224,14 @@ def get_full_optimizer_state_dict(
 
     Raises:
         ValueError: on every rank, when the optimizer holds a parameter the model lacks (e.g. it
-            was created before sharding), or the ranks' states differ.
+            was created before sharding), the ranks' states differ, or ``bucket_bytes`` is not a
+            positive int.
         TypeError: on every rank, when ``model`` or ``opt`` has the wrong type (named).
+        Exception: any rank's failure while gathering, on every rank, naming that rank.
+
+    Warns:
+        UserWarning: ``is_rank_zero`` disagrees with the global rank, or ``device`` is not the
+            type the process group communicates on (once per call site).
 
     Example:
         >>> import torch
@@ -232,12 +243,13 @@ def get_full_optimizer_state_dict(
         >>> list(osd["state"]), osd["param_groups"][0]["params"], osd["state"]["bias"]["momentum_buffer"]
         (['weight', 'bias'], ['weight', 'bias'], tensor([1., 1., 1.]))
     """
-    del device
-    entries, groups = _agreed_layout(model, opt)
+    check_comm_device("get_full_optimizer_state_dict", device)
+    keep = check_rank_zero("get_full_optimizer_state_dict", is_rank_zero)
+    entries, groups = _agreed_layout(model, opt, bucket_bytes)
     state: dict[str, dict[str, Any]] = {}
-    for bucket in _iter_state(entries, bucket_bytes):
+    for bucket in _iter_state(entries, bucket_size(bucket_bytes)):
         state.update(bucket)
-    if not (is_rank_zero and is_rank0()):
+    if not keep:
         return {}
     return {STATE: state, PG: groups}
 
@@ -319,8 +331,9 @@ def _check_strict(view: LoadView, aliases: Mapping[str, str]) -> None:
         why = "is not in the optimizer's param groups" if f in aliases else "is not a parameter of the model"
         lines.append(f"saved parameter {f!r} {why}")
     if lines:
-        raise ValueError("cannot load the optimizer state (strict=True; pass strict=False to skip these):"
-                         "\n  - " + "\n  - ".join(lines))
+        raise StateDictMismatchError("cannot load the optimizer state (strict=True; pass strict=False to "
+                                     "skip these):\n  - " + "\n  - ".join(lines),
+                                     missing_keys=view.missing, unexpected_keys=view.unexpected)
 
 
 def _state_device(ours: list[list[tuple[str, torch.Tensor]]], device: torch.device) -> torch.device:
@@ -344,7 +357,7 @@ def load_from_full_optimizer_state_dict(
     strict: bool = True,
     release_sd: bool = False,
     param_names: Sequence[str] | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
 ) -> _IncompatibleKeys:
     """Load a full optimizer state into a (sharded) optimizer, each rank keeping only its shards.
 
@@ -377,17 +390,19 @@ def load_from_full_optimizer_state_dict(
             default (``False``) the caller's dict is left untouched.
         param_names: for an integer-id state, the FQN of each id (see
             :func:`to_fqn_optimizer_state_dict`).
-        bucket_bytes: full-tensor bytes per scatter bucket.
+        bucket_bytes: full-tensor bytes per scatter bucket (``None``: the engine's default, 16 MiB).
 
     Returns:
         torch.nn.modules.module._IncompatibleKeys: ``missing_keys`` (optimizer parameters no saved
         group lists) and ``unexpected_keys`` (saved parameters not in the optimizer).
 
     Raises:
-        ValueError: on every rank, before anything changes: a malformed state, a saved parameter
-            the model lacks or a parameter with no saved entry (``strict``), a state tensor whose
-            shape differs from its parameter's (key and both shapes), an optimizer group whose
-            parameters come from several saved groups, states that differ between ranks.
+        StateDictMismatchError: with ``strict=True``, on every rank before anything changes: a
+            saved parameter the optimizer lacks or an optimizer parameter no saved group lists
+            (``missing_keys`` / ``unexpected_keys``; a ``RuntimeError`` and a ``ValueError``).
+        ValueError: on every rank, before anything changes: a malformed state, a state tensor
+            whose shape differs from its parameter's (key and both shapes), an optimizer group
+            whose parameters come from several saved groups, states that differ between ranks.
         TypeError: on every rank, when a state value that must be a tensor is not one, or an
             argument has the wrong type (``model``, ``opt``, ``full_sd``: named with its type).
         Exception: a failure on any rank while the state moves, on every rank, naming that rank;
@@ -414,6 +429,7 @@ def load_from_full_optimizer_state_dict(
         if reads:
             check_type(full_sd, Mapping, "full_sd", "a Mapping (a full optimizer state dict)")
         device = torch.device(device)
+        bucket_bytes = bucket_size(bucket_bytes)
         ours = optim_groups(model, opt)
         view, saved = plan_load(model, ours, full_sd, param_names) if reads else (None, {})
     view = _agree_view(view, broadcast_from_rank0)

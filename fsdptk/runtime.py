@@ -48,6 +48,9 @@ def is_distributed() -> bool:
     Returns:
         bool: whether the job runs with several processes.
 
+    Raises:
+        ValueError: ``WORLD_SIZE`` or ``RANK`` is set but not an integer (names both values).
+
     Example:
         >>> from fsdptk import is_distributed
         >>> is_distributed()  # a plain ``python`` process

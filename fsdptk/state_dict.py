@@ -17,11 +17,13 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdptk import _engine
 from fsdptk import buffers as _buffers
-from fsdptk._dist import agreed, all_gather_object, check_type, is_rank0, raise_problems
+from fsdptk._dist import (agreed, all_gather_object, check_comm_device, check_rank_zero, check_type, is_rank0,
+                          raise_problems)
 from fsdptk._dist import world as _world
-from fsdptk._engine import DEFAULT_BUCKET_BYTES, TensorMeta
+from fsdptk._engine import TensorMeta, bucket_size
 from fsdptk._engine.sources import as_source
 from fsdptk._names import tensor_groups
+from fsdptk.errors import StateDictMismatchError
 from fsdptk.buffers import BUFFER_INIT_HOOKS, BufferInit
 
 __all__ = [
@@ -123,25 +125,36 @@ def _meta_nonpersistent(model: nn.Module) -> dict[str, list[str]]:
     return _buffers._meta_nonpersistent(model)
 
 
+def _buffer_local(model: nn.Module, init_buffers: BufferInit | None) -> tuple[dict[str, Any], Any]:
+    """This rank's recomputed meta non-persistent buffers, and its view to agree: (values,
+    (meta buffers by module, why each rule failed)). Local only (on shadows: the model does not
+    change); the view travels in the engine's metadata agreement (``agree(extra=...)``)."""
+    mine = _meta_nonpersistent(model)
+    try:
+        values, failed = _buffers._recompute(model, mine, init_buffers)
+    except Exception as e:  # noqa: BLE001 - agreed with the metadata, never left to one rank
+        values, failed = {}, {m: f"recomputing raised {type(e).__name__}: {e}" for m in mine}
+    return values, (mine, failed)
+
+
 def _buffer_plan(model: nn.Module, broadcast_from_rank0: bool, init_buffers: BufferInit | None,
+                 local: tuple[dict[str, Any], Any] | None = None, views: list[Any] | None = None,
                  ) -> tuple[dict[str, Any], list[str]]:
     """Decide, identically on every rank, how meta non-persistent buffers get their values.
 
     Each rank recomputes the values of its own meta buffers through the rules of
-    :mod:`fsdptk.buffers` (on shadows: the model does not change). One object all-gather then
-    agrees: a module no rule covers on some rank is sent from rank 0 when ``broadcast_from_rank0``
-    and rank 0 holds real values, else it is a ValueError raised on every rank, naming the buffers,
-    why each rule did not apply and the remedies.
+    :mod:`fsdptk.buffers` (:func:`_buffer_local`); every rank's view (``views``: already agreed
+    with the load's metadata, else one object all-gather here) then decides: a module no rule
+    covers on some rank is sent from rank 0 when ``broadcast_from_rank0`` and rank 0 holds real
+    values, else it is a ValueError raised on every rank, naming the buffers, why each rule did
+    not apply and the remedies.
 
     Returns (module fqn -> recomputed values for this rank, fqns of buffers to send from rank 0).
     """
     world, _ = _world()
-    mine = _meta_nonpersistent(model)
-    try:
-        values, failed = _buffers._recompute(model, mine, init_buffers)
-    except Exception as e:  # noqa: BLE001 - agreed just below, never left to one rank
-        values, failed = {}, {m: f"recomputing raised {type(e).__name__}: {e}" for m in mine}
-    views = all_gather_object((mine, failed)) if world > 1 else [(mine, failed)]
+    values, view = local if local is not None else _buffer_local(model, init_buffers)
+    if views is None:
+        views = all_gather_object(view) if world > 1 else [view]
     failures: dict[str, str] = {}
     for _, f in views:
         for mod_name, msg in f.items():
@@ -188,10 +201,7 @@ def _assign_buffers(model: nn.Module, received: Mapping[str, torch.Tensor]) -> N
 
 def _check_strict(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
     if missing or unexpected:
-        msg = [f"Missing key(s) in state_dict: {missing}."] if missing else []
-        msg += [f"Unexpected key(s) in state_dict: {unexpected}."] if unexpected else []
-        raise RuntimeError(
-            f"Error(s) in loading state_dict for {type(model).__name__}:\n\t" + "\n\t".join(msg))
+        raise StateDictMismatchError.for_keys(missing, unexpected, type(model).__name__)
 
 
 def load_from_full_model_state_dict(
@@ -203,7 +213,7 @@ def load_from_full_model_state_dict(
     *,
     release_sd: bool = True,
     broadcast_from_rank0: bool = False,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
     init_buffers: BufferInit | None = None,
 ) -> _IncompatibleKeys:
     """Load a full (unsharded) state dict into a model, each rank keeping only its shards.
@@ -239,7 +249,8 @@ def load_from_full_model_state_dict(
             caller's mapping untouched.
         broadcast_from_rank0: only rank 0 reads ``full_sd``; each rank receives only its own shard
             bytes, scattered from rank 0 bucket by bucket.
-        bucket_bytes: full-tensor bytes per bucket (default 16 MiB: rank 0 packs the next bucket while the previous one is in flight).
+        bucket_bytes: full-tensor bytes per scatter bucket (``None``: the engine's default,
+            16 MiB); bounds the memory beyond the shards.
         init_buffers: ``init_buffers(module)`` sets the non-persistent buffers of each module
             that has some on ``meta``, overriding every other rule; it receives a stand-in of the
             module (parameters on ``meta``) and runs under ``torch.device("cpu")`` (see
@@ -250,13 +261,16 @@ def load_from_full_model_state_dict(
 
     Raises:
         ValueError: on every rank, before the model changes: a shape mismatch (key and both
-            shapes), a floating tensor for an integer entry (key and both dtypes), sources that
+            shapes), a floating tensor for an integer entry (key and both dtypes), ``bucket_bytes``
+            not a positive int, sources that
             differ between ranks, meta non-persistent buffers that no rule can compute (the
             message names them, why each rule did not apply, and the remedies).
         TypeError: on every rank, when the only problems are non-tensor values (key and type),
             or ``model`` is not an ``nn.Module`` or ``full_sd`` not a Mapping (names the argument
             and its type).
-        RuntimeError: with ``strict=True``, listing the missing and unexpected keys.
+        StateDictMismatchError: with ``strict=True``, on every rank before the model changes:
+            missing or unexpected keys (a ``RuntimeError`` with torch's strict message, carrying
+            ``missing_keys`` and ``unexpected_keys``).
         Exception: a read failing on any rank (a lazy ``full_sd`` raising, a file gone), on every
             rank, named after the lowest failing rank and the key; the model is untouched (values
             are assigned only once every rank has all of its values). Without
@@ -282,13 +296,16 @@ def load_from_full_model_state_dict(
                        "lazy view such as SafetensorsCheckpoint)" + ("" if reads else "; ranks other "
                        "than 0 may pass {} or None with broadcast_from_rank0=True"))
         device = torch.device(device)
+        bucket_bytes = bucket_size(bucket_bytes)
         targets, aliases = _tensor_groups(model)
         source = _AliasedSource({} if full_sd is None else full_sd, aliases)
-    plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0)
+    buffers_local = _buffer_local(model, init_buffers)
+    # ONE object exchange before data moves: the buffers' views travel with the metadata
+    plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0, extra=buffers_local[1])
     missing = [k for k in model.state_dict(keep_vars=True) if aliases.get(k, k) in plan.missing]
     if strict:
         _check_strict(model, missing, plan.unexpected)
-    recomputed, send = _buffer_plan(model, broadcast_from_rank0, init_buffers)
+    recomputed, send = _buffer_plan(model, broadcast_from_rank0, init_buffers, buffers_local, plan.extras)
     # rank 0's buffers first, kept aside: a failure here (agreed on every rank) changes nothing
     sent = _receive_buffers(model, send, device)
     # validation is over on every rank: from here on the model changes
@@ -339,7 +356,7 @@ def _gather_items(model: nn.Module, adapter_weights_only: bool,
 def iter_full_state_dict(
     model: nn.Module,
     *,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
     adapter_weights_only: bool = False,
     is_adapter: Callable[[str, torch.Tensor], bool] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -352,7 +369,8 @@ def iter_full_state_dict(
 
     Args:
         model: the (sharded) model; the same structure on every rank.
-        bucket_bytes: full-tensor bytes per bucket (bounds memory on every rank).
+        bucket_bytes: full-tensor bytes per bucket, bounding memory on every rank (``None``: the
+            engine's default, 16 MiB).
         adapter_weights_only: gather only adapter weights, never moving the frozen base. An adapter
             weight is a trainable parameter (``requires_grad=True``) unless ``is_adapter`` says
             otherwise.
@@ -367,7 +385,8 @@ def iter_full_state_dict(
 
     Raises:
         TypeError: on every rank, when ``model`` is not an ``nn.Module``.
-        ValueError: on every rank, when a tensor is still on ``meta`` or ranks disagree.
+        ValueError: on every rank, when a tensor is still on ``meta``, ranks disagree, or
+            ``bucket_bytes`` is not a positive int.
         Exception: any rank's failure while gathering, on every rank, naming that rank.
 
     Example:
@@ -378,6 +397,7 @@ def iter_full_state_dict(
     """
     with agreed():  # a bad argument or a failing is_adapter on any rank: raised on every rank
         check_type(model, nn.Module, "model", "a torch.nn.Module")
+        bucket_bytes = bucket_size(bucket_bytes)
         items, groups = _gather_items(model, adapter_weights_only, is_adapter)
     buckets = _engine.collect(items, bucket_bytes=bucket_bytes)
     for bucket in buckets:
@@ -393,7 +413,7 @@ def gather_cpu_state_dict(
     device: torch.device | None = None,
     adapter_weights_only: bool = False,
     *,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    bucket_bytes: int | None = None,
     is_adapter: Callable[[str, torch.Tensor], bool] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Gather the full model state as CPU tensors on rank 0 (``{}`` on the other ranks).
@@ -405,18 +425,27 @@ def gather_cpu_state_dict(
     Args:
         model: the (sharded) model.
         is_rank_zero: whether this is global rank 0 (the gathered dict is returned where this is
-            True and the rank is 0).
-        device: accepted for torchtune compatibility; the communication device follows the
-            process group's backend, the results are always on CPU.
+            True and the rank is 0; a value that disagrees with the real rank warns once).
+        device: the device the gather communicates on (torchtune's meaning), ``None`` for the
+            process group's: fsdptk always communicates on the backend's device (CPU for gloo, the
+            current accelerator otherwise), so a ``device`` of another type warns that it is not
+            used. The results are always CPU tensors.
         adapter_weights_only: gather only trainable parameters (or what ``is_adapter`` selects).
-        bucket_bytes: full-tensor bytes per bucket.
+        bucket_bytes: full-tensor bytes per bucket (``None``: the engine's default, 16 MiB).
         is_adapter: ``(fqn, tensor) -> bool`` overriding the adapter definition.
 
     Returns:
         dict[str, torch.Tensor]: fqn -> full CPU tensor (original dtype; NF4 dequantised).
 
     Raises:
-        ValueError: on every rank, when a tensor is still on ``meta`` or ranks disagree.
+        ValueError: on every rank, when a tensor is still on ``meta``, ranks disagree, or
+            ``bucket_bytes`` is not a positive int.
+        TypeError: on every rank, when ``model`` is not an ``nn.Module``.
+        Exception: any rank's failure while gathering, on every rank, naming that rank.
+
+    Warns:
+        UserWarning: ``is_rank_zero`` disagrees with the global rank, or ``device`` is not the
+            type the process group communicates on (once per call site).
 
     Example:
         >>> import torch
@@ -424,9 +453,10 @@ def gather_cpu_state_dict(
         >>> sorted(gather_cpu_state_dict(torch.nn.Linear(2, 3), is_rank_zero=True))
         ['bias', 'weight']
     """
-    del device
+    check_comm_device("gather_cpu_state_dict", device)
+    keep = check_rank_zero("gather_cpu_state_dict", is_rank_zero)
     out: dict[str, torch.Tensor] = {}
     for bucket in iter_full_state_dict(model, bucket_bytes=bucket_bytes,
                                        adapter_weights_only=adapter_weights_only, is_adapter=is_adapter):
         out.update(bucket)
-    return out if is_rank_zero and is_rank0() else {}
+    return out if keep else {}

@@ -195,9 +195,9 @@ def prepare_mha_for_tp(
             prepared by an earlier call (names the module, the TP size and the counts).
 
     Example:
-        >>> mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp_shard", "tp"))
-        >>> prepare_mha_for_tp(model, mesh["tp"])  # num_heads 32 -> 8, num_kv_heads 8 -> 2
-        >>> prepare_mha_for_tp(hf_model, mesh["tp"],
+        >>> mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp_shard", "tp"))  # needs a TP process group; tests/test_tp.py runs it  # doctest: +SKIP
+        >>> prepare_mha_for_tp(model, mesh["tp"])  # heads 32 -> 8, kv heads 8 -> 2; a TP group (tests/test_tp.py)  # doctest: +SKIP
+        >>> prepare_mha_for_tp(hf_model, mesh["tp"],  # needs a TP process group; tests/test_tp.py runs it  # doctest: +SKIP
         ...     attn_predicate=lambda n, m: type(m).__name__ == "LlamaAttention",
         ...     num_heads_attr="config.num_attention_heads",
         ...     num_kv_heads_attr="config.num_key_value_heads", embed_dim_attr=None)
@@ -273,7 +273,7 @@ def apply_tp(
             before any module changes: on error the model is untouched.
 
     Example:
-        >>> apply_tp(model, mesh["tp"], llama_tp_plan(model, sequence_parallel=True))
+        >>> apply_tp(model, mesh["tp"], llama_tp_plan(model, sequence_parallel=True))  # needs a TP process group; tests/test_tp.py runs it  # doctest: +SKIP
     """
     tp_size = _tp_size(tp_mesh)
     _check_plan(model, plan, tp_size)

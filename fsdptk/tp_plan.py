@@ -88,8 +88,8 @@ def build_tp_plan(
             ``allow_unmatched`` is False.
 
     Example:
-        >>> plan = build_tp_plan(model, [("*.wq", ColwiseParallel()), ("*.wo", RowwiseParallel())])
-        >>> apply_tp(model, mesh["tp"], plan)
+        >>> plan = build_tp_plan(model, [("*.wq", ColwiseParallel()), ("*.wo", RowwiseParallel())])  # needs a TP process group; tests/test_tp.py runs it  # doctest: +SKIP
+        >>> apply_tp(model, mesh["tp"], plan)  # needs a TP process group; tests/test_tp.py runs it  # doctest: +SKIP
     """
     pairs = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
     for pattern, style in pairs:
@@ -313,8 +313,8 @@ def llama_tp_plan(
             ``sequence_parallel`` is asked without ``embeddings_and_output``.
 
     Example:
-        >>> plan = llama_tp_plan(model, sequence_parallel=True)
-        >>> plan["layers.0.attention.wq"]
+        >>> plan = llama_tp_plan(model, sequence_parallel=True)  # needs a TP process group; tests/test_tp.py runs it  # doctest: +SKIP
+        >>> plan["layers.0.attention.wq"]  # needs a TP process group; tests/test_tp.py runs it  # doctest: +SKIP
         ColwiseParallel(...)
     """
     if sequence_parallel and not embeddings_and_output:

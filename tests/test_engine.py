@@ -117,6 +117,125 @@ def test_distribute_collect_match_dtensor(world, cases, mode, bucket, seed):
     assert world(4).run(_engine_case, cases, mode, bucket, seed) == [(True, True, True, True)] * 4
 
 
+# ---------------------------------------------------------------------------------------------
+# the wire: zero-copy pieces (sent from / received into their final memory) beside packed ones,
+# pipelined two buckets deep
+
+
+def _wire_case(cases, mesh_kind, mode, bucket, seed, direct_min, nf4):
+    """Load then gather with pieces of at least ``direct_min`` bytes travelling alone.
+
+    Returns, per rank: (locals exact, fulls exact, zero-copy evidence, packs done)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import fsdptk._engine.gather as gather
+    import fsdptk._engine.scatter as scatter
+    import fsdptk._engine.wire as wire
+    from fsdptk._engine import agree, collect, distribute
+    from fsdptk.nf4 import dequantize, to_nf4
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2) if mesh_kind == "2d" else (4,))
+    gen = torch.Generator().manual_seed(seed)
+    fulls, targets, expect = {}, [], {}
+    for i, (shape, kinds, dtype, target_dtype) in enumerate(cases):
+        full = torch.randn(shape, generator=gen).to(getattr(torch, dtype))
+        tgt = full.to(getattr(torch, target_dtype))  # a different target dtype: the load casts
+        pl = [_placement(k, d) for k, d in kinds] if mesh_kind == "2d" else [_placement(kinds[0][0], kinds[0][1])]
+        if pl[0].__class__.__name__ == "_StridedShard" and mesh_kind != "2d":
+            pl = [Shard(kinds[0][1])]
+        fulls[f"t{i}"], expect[f"t{i}"] = full, tgt
+        targets.append((f"t{i}", distribute_tensor(tgt, mesh, pl, src_data_rank=None)))
+    if nf4:  # a plain NF4 tensor: its inner tensors always travel packed (DTensor-wrapped NF4
+        # under FSDP2 and HSDP goes through the same layouts: tests/test_nf4.py)
+        w = torch.randn(64, 64, generator=gen).to(torch.bfloat16)
+        q = to_nf4(w, 64, 8)
+        fulls["q"], expect["q"] = w, dequantize(q)
+        targets.append(("q", q))
+    src = (dict(fulls) if rank == 0 else {}) if mode == "rank0" else dict(fulls)
+    old, packs = wire.DIRECT_MIN_BYTES, [0]
+    inner_s, inner_g = scatter.pack, gather.pack
+
+    def counted(inner):
+        def pack(*args):
+            packs[0] += 1
+            return inner(*args)
+        return pack
+
+    wire.DIRECT_MIN_BYTES = direct_min
+    scatter.pack, gather.pack = counted(inner_s), counted(inner_g)
+    try:
+        plan = agree([(k, t.to("meta")) for k, t in targets], src, src_rank0=mode == "rank0")
+        out = dict(distribute(plan, src, device="cpu", bucket_bytes=bucket))
+        load_packs, packs[0] = packs[0], 0
+        got = {}
+        for b in collect(list(out.items()), bucket_bytes=bucket):
+            got.update(b)
+        gather_packs = packs[0]
+    finally:
+        wire.DIRECT_MIN_BYTES = old
+        scatter.pack, gather.pack = inner_s, inner_g
+
+    from fsdptk._compat import local_tensor as _local  # (to_local drops the NF4 subclass)
+
+    local_ok = True
+    for k, t in targets:
+        o = out[k]
+        if k == "q":
+            local_ok &= torch.equal(dequantize(_local(o)), dequantize(_local(t)))
+        else:
+            local_ok &= (torch.equal(_local(o), _local(t)) and o.dtype == t.dtype
+                         and o.placements == t.placements)
+    # a receiver's large piece is its own final tensor, not a view into a shared bucket buffer
+    alone_ok = all(
+        _local(o).untyped_storage().nbytes() == _local(o).numel() * _local(o).element_size()
+        for k, o in out.items()
+        if rank and mode == "rank0" and k != "q" and _local(o).numel()
+        and _local(o).numel() * _local(o).element_size() >= direct_min)
+    full_ok = (got == {}) if rank else all(
+        torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in expect.items())
+    return local_ok, full_ok, alone_ok, load_packs, gather_packs
+
+
+@st.composite
+def _wire_tensor_case(draw):
+    shape, kinds, dtype = draw(_tensor_case())
+    target = draw(st.sampled_from([dtype, "float32", "bfloat16"]))
+    return shape, kinds, dtype, target
+
+
+@settings(max_examples=12, deadline=None)
+@given(cases=st.lists(_wire_tensor_case(), min_size=1, max_size=4), mesh_kind=st.sampled_from(["2d", "1d"]),
+       mode=st.sampled_from(["rank0", "local"]), bucket=st.sampled_from([1, 200, 1 << 20]),
+       seed=st.integers(0, 1000), direct_min=st.sampled_from([1, 64, 1 << 30]), nf4=st.booleans())
+def test_zero_copy_and_packed_pieces_round_trip_exactly(world, cases, mesh_kind, mode, bucket, seed, direct_min, nf4):
+    """Uneven shards, _StridedShard, HSDP (Replicate x Shard), NF4, tiny buckets, casts: every
+    piece lands exactly, whether it travelled alone (zero-copy) or packed."""
+    res = world(4).run(_wire_case, cases, mesh_kind, mode, bucket, seed, direct_min, nf4)
+    assert [r[:3] for r in res] == [(True, True, True)] * 4, res
+
+
+def _zero_copy_counts(direct_min):
+    """A Shard(0) model on 4 ranks, rank-0 load then gather: how many pieces were packed."""
+    return _wire_case([((64, 8), [("S", 0), ("R", 0)], "float32", "float32"),
+                       ((33, 5), [("S", 0), ("R", 0)], "float32", "float32")],
+                      "1d", "rank0", 1 << 20, 0, direct_min, False)
+
+
+def test_dim0_shards_travel_without_pack_or_unpack(world):
+    """Above the threshold a dim-0 shard is never packed (sent from a view of the full tensor,
+    received into the final tensor, gathered straight into the full tensor); below it the pieces
+    of a bucket are coalesced into one packed message per rank."""
+    zero = world(4).run(_zero_copy_counts, 1)
+    assert [r[:3] for r in zero] == [(True, True, True)] * 4, zero
+    assert [r[3:] for r in zero] == [(0, 0)] * 4, zero  # no pack on any rank, either direction
+    packed = world(4).run(_zero_copy_counts, 1 << 30)
+    assert [r[:3] for r in packed] == [(True, True, True)] * 4, packed
+    # rank 0 packs 2 pieces for each of 3 ranks; each sender packs its 2 pieces for the gather
+    assert [r[3:] for r in packed] == [(6, 0), (0, 2), (0, 2), (0, 2)], packed
+
+
 def _differ():
     from fsdptk._engine import collect
 

@@ -467,7 +467,7 @@ def _dcp_failing(path: str, phase: str) -> tuple[str, str, float, bool]:
 
     model = _loaded_model()
     if phase == "load":
-        save_dcp(path, model)
+        save_dcp(model, path)
 
     def fail(*_: Any, **__: Any) -> None:
         raise RuntimeError("state_dict hook failed")
@@ -478,8 +478,8 @@ def _dcp_failing(path: str, phase: str) -> tuple[str, str, float, bool]:
         else:
             model.register_load_state_dict_pre_hook(fail)
     if phase == "save":
-        return (*_timed(save_dcp, path, model, extra={"step": 1}), True)
-    return (*_timed(load_dcp, path, model), True)
+        return (*_timed(save_dcp, model, path, extra={"step": 1}), True)
+    return (*_timed(load_dcp, model, path), True)
 
 
 def test_dcp_local_failure_on_one_rank_raises_on_every_rank(world, tmp_path) -> None:

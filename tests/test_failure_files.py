@@ -107,7 +107,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 def _dcp_dir(path: Path) -> nn.Linear:
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
-    save_dcp(path, model, extra={"step": 1})
+    save_dcp(model, path, extra={"step": 1})
     return model
 
 
@@ -132,7 +132,7 @@ def test_dcp_metadata_pickle_runs_no_code(tmp_path: Path, capsys, how: str) -> N
     marker = tmp_path / "PWNED"
     _evil_metadata(src, marker, how)
     with pytest.raises(CheckpointError, match="builtins.exec is not a DCP metadata type"):
-        load_dcp(src, nn.Linear(3, 2))
+        load_dcp(nn.Linear(3, 2), src)
     with pytest.raises(CheckpointError, match="builtins.exec is not a DCP metadata type"):
         dcp_to_safetensors(src, tmp_path / "hf")
     assert main(["inspect", str(src)]) == 1
@@ -150,12 +150,12 @@ def test_dcp_values_are_read_weights_only(tmp_path: Path) -> None:
     state = {"model": model.state_dict(), "extra": io.BytesIO(pickle.dumps(_Exec(_touch_code(marker))))}
     dcp.save(state, checkpoint_id=str(tmp_path / "a"), no_dist=True)
     with pytest.raises(CheckpointError, match="DCP entry 'extra' is not plain data"):
-        load_dcp(tmp_path / "a", nn.Linear(3, 2))
+        load_dcp(nn.Linear(3, 2), tmp_path / "a")
     # a non-tensor value DCP pickles itself (as an optimizer hyper-parameter is)
     state = {"model": model.state_dict(), "extra": _Exec(_touch_code(marker))}
     dcp.save(state, checkpoint_id=str(tmp_path / "b"), no_dist=True)
     with pytest.raises(CheckpointError, match="DCP entry 'extra' is not plain data"):
-        load_dcp(tmp_path / "b", nn.Linear(3, 2))
+        load_dcp(nn.Linear(3, 2), tmp_path / "b")
     assert not marker.exists()
     # a torch.save file: inspect reads it with weights_only=True
     torch.save({"w": torch.zeros(2), "x": _Exec(_touch_code(marker))}, tmp_path / "evil.pt")
@@ -169,14 +169,14 @@ def test_extra_round_trips_plain_data_and_refuses_objects(tmp_path: Path) -> Non
     model(torch.randn(2, 3)).sum().backward()
     opt.step()
     extra = {"step": 7, "rng": torch.get_rng_state(), "pos": [1, (2, 3)], "name": None}
-    save_dcp(tmp_path / "c", model, opt, extra=extra)
+    save_dcp(model, tmp_path / "c", opt, extra=extra)
     m2 = nn.Linear(3, 2)
     o2 = torch.optim.AdamW(m2.parameters(), lr=0.5)
-    got = load_dcp(tmp_path / "c", m2, o2)
+    got = load_dcp(m2, tmp_path / "c", o2)
     assert got["step"] == 7 and got["pos"] == [1, (2, 3)] and torch.equal(got["rng"], extra["rng"])
     assert o2.param_groups[0]["lr"] == 0.01 and o2.param_groups[0]["betas"] == (0.9, 0.999)
     with pytest.raises(TypeError, match="extra must hold only tensors.*Unsupported global"):
-        save_dcp(tmp_path / "c", model, extra={"obj": _Exec("pass")})
+        save_dcp(model, tmp_path / "c", extra={"obj": _Exec("pass")})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,7 +280,7 @@ def test_fifo_and_directories_are_refused_before_opening(tmp_path: Path, capsys)
     data.unlink()
     os.mkfifo(data)
     with pytest.raises(CheckpointError, match="is a FIFO"):
-        load_dcp(c, nn.Linear(3, 2))
+        load_dcp(nn.Linear(3, 2), c)
     (c / ".metadata").unlink()
     os.mkfifo(c / ".metadata")
     assert main(["inspect", str(c)]) == 1
@@ -296,7 +296,7 @@ def test_dcp_storage_paths_must_stay_inside(tmp_path: Path) -> None:
         info.relative_path = "../outside.distcp"
     (tmp_path / "d" / ".metadata").write_bytes(pickle.dumps(meta))
     with pytest.raises(CheckpointError, match="'../outside.distcp': only plain file names"):
-        load_dcp(tmp_path / "d", nn.Linear(3, 2))
+        load_dcp(nn.Linear(3, 2), tmp_path / "d")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,21 +384,21 @@ def test_save_dcp_killed_at_every_step_keeps_a_checkpoint(tmp_path: Path, monkey
     root = tmp_path / "runs"
     path = root / "step"
     old, new = nn.Linear(3, 2), nn.Linear(3, 2)
-    save_dcp(path, old, extra={"v": "old"})
+    save_dcp(old, path, extra={"v": "old"})
     if not exchange:
         monkeypatch.setattr(commit, "exchange", lambda a, b: False)
     shots = _snapshots(monkeypatch, tmp_path / "shots")
-    save_dcp(path, new, extra={"v": "new"})
+    save_dcp(new, path, extra={"v": "new"})
     monkeypatch.setattr(commit, "_STEP_HOOK", None)
     names = [n for n, _ in shots]
     expected = ["exchanged"] if exchange else ["old-moved-aside", "renamed"]
     assert names == expected + ["old-deleted"]
     for name, shot in shots:
         m = nn.Linear(3, 2)
-        v = load_dcp(shot / "step", m)["v"]  # reads the backup when "step" is missing
+        v = load_dcp(m, shot / "step")["v"]  # reads the backup when "step" is missing
         assert torch.equal(m.weight, (old if v == "old" else new).weight), name
-        save_dcp(shot / "step", new, extra={"v": "next"})  # recovers, cleans the leftovers
-        assert load_dcp(shot / "step", nn.Linear(3, 2)) == {"v": "next"}
+        save_dcp(new, shot / "step", extra={"v": "next"})  # recovers, cleans the leftovers
+        assert load_dcp(nn.Linear(3, 2), shot / "step") == {"v": "next"}
         assert sorted(os.listdir(shot)) == ["step"], (name, os.listdir(shot))
 
 
@@ -407,7 +407,7 @@ def test_save_dcp_killed_at_every_step_keeps_a_checkpoint(tmp_path: Path, monkey
 def _save_linear(path: str, fmt: str) -> None:
     model = nn.Linear(4, 2)
     if fmt == "dcp":
-        save_dcp(path, model)
+        save_dcp(model, path)
     else:
         save_safetensors(model, path)
 
@@ -427,8 +427,8 @@ def test_second_writer_fails_at_once_naming_the_holder(tmp_path: Path) -> None:
     assert sorted(os.listdir(d)) == ["model.safetensors"]
     with DirectoryLock(tmp_path / ".step.fsdptk.lock", tmp_path / "step"):
         with pytest.raises(CheckpointLockedError, match="pid"):
-            save_dcp(tmp_path / "step", nn.Linear(4, 2))
-    save_dcp(tmp_path / "step", nn.Linear(4, 2))
+            save_dcp(nn.Linear(4, 2), tmp_path / "step")
+    save_dcp(nn.Linear(4, 2), tmp_path / "step")
 
 
 @pytest.mark.parametrize("fmt", ["safetensors", "dcp"])
@@ -473,7 +473,7 @@ def test_dcp_staging_is_unique_per_save(tmp_path: Path, monkeypatch) -> None:
 
     monkeypatch.setattr(dcp, "FileSystemWriter", spy)
     for _ in range(2):
-        save_dcp(tmp_path / "step", nn.Linear(2, 2))
+        save_dcp(nn.Linear(2, 2), tmp_path / "step")
     assert len(set(seen)) == 2 and all(s.startswith(".step.fsdptk-stage-") for s in seen)
     assert os.listdir(tmp_path) == ["step"]
 
@@ -517,12 +517,12 @@ def test_stale_temporary_files_are_cleaned_by_the_next_save(tmp_path: Path) -> N
     with torch.device("meta"):
         broken = nn.Linear(2, 2)
     with pytest.raises(NotImplementedError, match="meta"):
-        save_dcp(tmp_path / "step", broken)
+        save_dcp(broken, tmp_path / "step")
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     (tmp_path / ".step.fsdptk-stage-0123456789ab").mkdir()
     (tmp_path / ".step.dcp-tmp").mkdir()
     (tmp_path / ".other.fsdptk-stage-0123456789ab").mkdir()
-    save_dcp(tmp_path / "step", nn.Linear(2, 2))
+    save_dcp(nn.Linear(2, 2), tmp_path / "step")
     assert sorted(os.listdir(tmp_path)) == [".other.fsdptk-stage-0123456789ab", "ckpt", "step"]
 
 
@@ -601,12 +601,3 @@ def test_every_rank_is_told_about_a_bad_index(world, tmp_path: Path) -> None:
 def _load_into_linear(path: str) -> None:
     assert dist.get_world_size() == 2
     load_safetensors(nn.Linear(2, 2), path)
-
-
-def test_docstring_examples() -> None:
-    import doctest
-
-    import fsdptk._files.lock
-
-    result = doctest.testmod(fsdptk._files.lock)
-    assert result.failed == 0 and result.attempted > 0

@@ -8,16 +8,19 @@ DTensor). Targets may live on ``meta``: outputs are then allocated on the reques
 * :func:`agree` + :func:`distribute`: full tensors -> this rank's shards. Metadata (keys, shapes,
   dtypes) is agreed on every rank first with ONE object collective, so every error is raised on
   every rank. Then either each rank reads its own piece of a source it can read (no tensor moves;
-  a lazy source is read shard-on-read), or rank 0 packs every rank's slices of a bucket of tensors
-  into one flat byte buffer per rank and sends each rank its buffer.
+  a lazy source is read shard-on-read), or rank 0 sends each rank its slices of a bucket of
+  tensors: small ones packed into one flat byte buffer per rank, large dim-0 ones alone, from and
+  into their final memory (zero-copy), bucket k+1 packed while bucket k is on the wire.
 * :func:`collect`: local shards -> full CPU tensors on rank 0 only, bucket by bucket, with
-  point-to-point sends of exactly the bytes each shard owner holds (one replica per HSDP group).
+  point-to-point sends of exactly the bytes each shard owner holds (one replica per HSDP group),
+  large dim-0 pieces received straight into the full tensors.
 
 Everything runs on the default process group. See ``docs/state_dict.md``. The parts:
 
 - :mod:`~fsdptk._engine.sources`: the source protocol (metadata, read a box, release);
 - :mod:`~fsdptk._engine.layouts`: one class per kind of target (plain, DTensor, NF4, DTensor NF4);
-- :mod:`~fsdptk._engine.wire`: flat buffers of aligned pieces, buckets;
+- :mod:`~fsdptk._engine.wire`: flat buffers of aligned pieces, direct (zero-copy) pieces, buckets,
+  the two-bucket pipeline;
 - :mod:`~fsdptk._engine.agree`: the metadata agreement and the per-bucket status agreement (the
   failure protocol, ``docs/failure_model.md``);
 - :mod:`~fsdptk._engine.scatter` (:func:`distribute`) and :mod:`~fsdptk._engine.gather`
@@ -30,4 +33,23 @@ from fsdptk._engine.scatter import distribute
 from fsdptk._engine.sources import Source, TensorMeta
 from fsdptk._engine.wire import DEFAULT_BUCKET_BYTES
 
-__all__ = ["agree", "distribute", "collect", "LoadPlan", "TensorMeta", "Source", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["agree", "distribute", "collect", "LoadPlan", "TensorMeta", "Source", "DEFAULT_BUCKET_BYTES",
+           "bucket_size"]
+
+
+def bucket_size(bucket_bytes: int | None) -> int:
+    """The ``bucket_bytes`` every public function takes: ``None`` is :data:`DEFAULT_BUCKET_BYTES`.
+
+    Raises:
+        ValueError: ``bucket_bytes`` is not a positive int (names the value).
+
+    Example:
+        >>> bucket_size(None) == DEFAULT_BUCKET_BYTES == 16 * 2**20, bucket_size(1024)
+        (True, 1024)
+    """
+    if bucket_bytes is None:
+        return DEFAULT_BUCKET_BYTES
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be a positive int (or None for the default, 16 MiB), "
+                         f"got {bucket_bytes!r}")
+    return bucket_bytes

@@ -51,6 +51,7 @@ class LoadPlan:
     cast: bool
     _entries: list[tuple[str, Layout]]
     _layouts: list[list[Any]] | None = None  # per rank: per entry (local, parts); src_rank0 only
+    extras: list[Any] | None = None  # per rank: the ``extra`` each rank passed to :func:`agree`
 
     def out_dtype(self, fqn: str, layout: Layout) -> torch.dtype:
         """The dtype of ``fqn``'s output: the target's (cast, or NF4) or the source's."""
@@ -104,6 +105,7 @@ def agree(
     *,
     src_rank0: bool = False,
     cast: bool = True,
+    extra: Any = None,
 ) -> LoadPlan:
     """Agree on every rank which keys move, with which shapes and dtypes, before any tensor moves.
 
@@ -122,9 +124,11 @@ def agree(
         src_rank0: only rank 0 holds the source (others may pass ``{}``).
         cast: outputs take the target's dtype (a floating source into an integer target is an
             error); ``False`` keeps the source dtype (no dtype check).
+        extra: the caller's own pre-flight view (any picklable value), carried in the same object
+            exchange so that a call needs no second one; every rank's is in ``plan.extras``.
 
     Returns:
-        LoadPlan: ``keys`` (in target order), ``missing``, ``unexpected``, ``metas``.
+        LoadPlan: ``keys`` (in target order), ``missing``, ``unexpected``, ``metas``, ``extras``.
 
     Raises:
         ValueError: on every rank, listing each shape mismatch (key and both shapes), each float
@@ -154,7 +158,7 @@ def agree(
         layout = [(lay.local, lay.parts) for _, lay in entries] if src_rank0 and world > 1 else None
     except Exception as e:  # noqa: BLE001 - raised on every rank just below
         error = e
-    payloads = all_gather_object((fp, check, layout, error_payload(error)))
+    payloads = all_gather_object((fp, check, layout, error_payload(error), extra))
     raise_lowest([p[3] for p in payloads], error)
     diff = [r for r, p in enumerate(payloads) if p[0] != payloads[0][0]]
     if diff:
@@ -179,7 +183,8 @@ def agree(
     if src_rank0 and world > 1:
         index = {f: i for i, (f, _) in enumerate(entries)}
         layouts = [[p[2][index[f]] for f, _ in keep] for p in payloads]
-    return LoadPlan([f for f, _ in keep], missing, unexpected, metas, src_rank0, cast, keep, layouts)
+    return LoadPlan([f for f, _ in keep], missing, unexpected, metas, src_rank0, cast, keep, layouts,
+                    [p[4] for p in payloads])
 
 
 # ---------------------------------------------------------------------------------------------

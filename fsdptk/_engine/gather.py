@@ -1,7 +1,8 @@
 """Collect: local shards -> full CPU tensors on rank 0 only (the gather direction of the engine).
 
-Each shard owner (one replica per replicate group) sends exactly its bytes of a bucket as one flat
-buffer to rank 0, point to point; rank 0 places them into the full tensors and yields the bucket.
+Each shard owner (one replica per replicate group) sends exactly its bytes of a bucket to rank 0,
+point to point: small pieces in one flat buffer, large dim-0 pieces alone, received straight into
+the full tensors; rank 0 places the rest and yields the bucket. Two buckets are in flight.
 The status of every bucket is agreed before its bytes move (:mod:`fsdptk._engine.agree`).
 """
 
@@ -18,7 +19,16 @@ from fsdptk._dist import raise_problems as _raise
 from fsdptk._dist import world as _world
 from fsdptk._engine.agree import Status, _fingerprint, guarded, hand_over
 from fsdptk._engine.layouts import Box, Layout, box_shape, layout_of, place
-from fsdptk._engine.wire import DEFAULT_BUCKET_BYTES, buckets, nbytes, pack, packed_size, unpack
+from fsdptk._engine.wire import (
+    DEFAULT_BUCKET_BYTES,
+    InFlight,
+    buckets,
+    is_direct,
+    nbytes,
+    pack,
+    packed_size,
+    unpack,
+)
 
 
 def _collect_view(t: object, rank: int) -> tuple[Layout | None, Box | None, str | None]:
@@ -99,103 +109,148 @@ def collect(
                        status)
 
 
+def _dim0_box(box: Box, shape: tuple[int, ...]) -> bool:
+    """Whether ``box`` is a run of whole dim-0 rows (a contiguous range of a contiguous tensor)."""
+    return (len(box) > 0 and isinstance(box[0], slice)
+            and all(isinstance(b, slice) and b.start == 0 and b.stop == n for b, n in zip(box[1:], shape[1:])))
+
+
 def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout],
                      boxes: list[list[Box | None]], bucket_bytes: int, status: Status) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The data phase of :func:`collect`: per bucket, pack, agree, then move the bytes."""
+    """The data phase of :func:`collect`: per bucket, pack, agree, then move the bytes.
+
+    A sender's small pieces travel packed in one flat buffer; a large dim-0 piece travels alone,
+    from the shard itself, and rank 0 receives it straight into the full tensor's memory (over a
+    CPU transport). Pipelined: a sender packs bucket k+1 while bucket k is on the wire (two buckets
+    in flight); rank 0 places its own pieces of bucket k while the others' bytes arrive, and
+    yields bucket k before bucket k+1 is agreed, so a failure of the caller's code (a file write)
+    stops the senders at the next bucket. Once a bucket is agreed every rank posts its transfers of it, and
+    every posted transfer is waited for, on the error paths too."""
     world, rank = _world()
     comm = _comm_device() if world > 1 else torch.device("cpu")
+    into_full = comm.type == "cpu"  # a receive can land in the (CPU) full tensors
+    direct = [[b is not None and into_full and _dim0_box(b, tuple(t.shape))
+               and is_direct(box_shape(b), t.dtype) for b, (_, t) in zip(boxes[r], items)] for r in range(world)]
     sizes = [nbytes(t.shape, t.dtype) for _, t in items]
-    for bucket in buckets(sizes, bucket_bytes):
-        bufs: dict[int, torch.Tensor] = {}
-        fulls: dict[int, torch.Tensor] = {}
-        if status.error is None:
-            try:
-                if rank == 0:
-                    fulls = {i: torch.empty(tuple(items[i][1].shape), dtype=items[i][1].dtype) for i in bucket}
-                    bufs = _collect_recv_buffers(items, bucket, boxes, world, comm)
-                else:
-                    bufs = _collect_pack(items, layouts, bucket, boxes[rank], comm, rank, status)
-            except Exception as exc:  # noqa: BLE001 - agreed just below
-                status.fail(exc)
-        status.agree()
-        if rank == 0:
-            out = _collect_rank0(items, layouts, bucket, boxes, fulls, bufs, status)
+    flight = InFlight()  # the previous bucket's transfers
+    held: tuple[list[int], dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None  # rank 0
+    try:
+        for bucket in buckets(sizes, bucket_bytes):
+            if rank == 0 and held is not None:  # bucket k-1: it arrived while rank 0 placed its own
+                with comm_errors(status.what):
+                    flight.wait()
+                yield from _collect_hand_over(items, boxes, direct, *held, status)
+                held = None
+            msgs: dict[int, list[torch.Tensor]] = {}
+            fulls: dict[int, torch.Tensor] = {}
+            bufs: dict[int, torch.Tensor] = {}
             if status.error is None:
-                yield from hand_over([out], status)
-            del out, fulls
-            continue
-        if bufs:
+                try:
+                    if rank == 0:
+                        fulls = {i: torch.empty(tuple(items[i][1].shape), dtype=items[i][1].dtype) for i in bucket}
+                        bufs, msgs = _collect_recv_buffers(items, bucket, boxes, direct, fulls, world, comm)
+                    else:
+                        msgs = _collect_pack(items, layouts, bucket, boxes[rank], direct[rank], comm, status)
+                except Exception as exc:  # noqa: BLE001 - agreed just below
+                    status.fail(exc)
+            status.agree()
+            if rank != 0:
+                with comm_errors(status.what):
+                    flight.wait()  # bucket k-1 is out: its buffer is free
+                    flight.post([dist.isend(t, dst=0) for t in msgs.get(rank, [])], msgs.get(rank, []))
+                del msgs
+                yield from hand_over([[]], status)
+                continue
             with comm_errors(status.what):
-                dist.send(bufs[rank], dst=0)
-        del bufs
-        yield from hand_over([[]], status)
-    status.agree()
+                flight.post([dist.irecv(t, src=r) for r, ts in msgs.items() for t in ts],
+                            [t for ts in msgs.values() for t in ts])
+            _collect_own(items, layouts, bucket, boxes[0], fulls, status)  # while the bytes arrive
+            held = (bucket, fulls, bufs)
+            del msgs, fulls, bufs
+        with comm_errors(status.what):
+            flight.wait()
+        if held is not None:
+            yield from _collect_hand_over(items, boxes, direct, *held, status)
+        status.agree()
+    finally:
+        flight.drain_quietly()
 
 
 def _collect_pack(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], bucket: list[int],
-                  boxes: list[Box | None], comm: torch.device, rank: int, status: Status,
-                  ) -> dict[int, torch.Tensor]:
-    """A sender: its bytes of a bucket in one flat buffer (``{}`` when it owns none of them)."""
+                  boxes: list[Box | None], direct: list[bool], comm: torch.device, status: Status,
+                  ) -> dict[int, list[torch.Tensor]]:
+    """A sender: its messages of a bucket (``{}`` when it owns none of them): its small pieces in
+    one flat buffer, then each large dim-0 piece as it is (no copy when contiguous on ``comm``)."""
+    rank = _world()[1]
     mine = [i for i in bucket if boxes[i] is not None]
-    total = packed_size([(box_shape(boxes[i]), items[i][1].dtype) for i in mine])  # type: ignore[arg-type]
-    if total == 0:
-        return {}
-    buf = torch.empty(total, dtype=torch.uint8, device=comm)
-    off = 0
+    total = packed_size([(box_shape(boxes[i]), items[i][1].dtype) for i in mine if not direct[i]])  # type: ignore[arg-type]
+    buf = torch.empty(total, dtype=torch.uint8, device=comm) if total else None
+    off, alone = 0, []
     for i in mine:
         try:
-            off = pack(buf, off, _plain_local(layouts[i]))
+            local = _plain_local(layouts[i])
+            if direct[i]:
+                alone.append(local.to(comm).contiguous())
+            elif buf is not None:
+                off = pack(buf, off, local)
         except Exception as exc:
             status.fail(exc, f"reading its shard of {items[i][0]!r}")
             raise
-    return {rank: buf}
+    msgs = ([buf] if buf is not None else []) + alone
+    return {rank: msgs} if msgs else {}
 
 
 def _collect_recv_buffers(items: list[tuple[str, torch.Tensor]], bucket: list[int],
-                          boxes: list[list[Box | None]], world: int, comm: torch.device,
-                          ) -> dict[int, torch.Tensor]:
-    bufs = {}
+                          boxes: list[list[Box | None]], direct: list[list[bool]], fulls: dict[int, torch.Tensor],
+                          world: int, comm: torch.device,
+                          ) -> tuple[dict[int, torch.Tensor], dict[int, list[torch.Tensor]]]:
+    """Rank 0: per sender, the flat buffer of its small pieces, and its messages in send order
+    (that buffer, then a view of the full tensor for each large dim-0 piece)."""
+    bufs, msgs = {}, {}
     for r in range(1, world):
         total = packed_size([(box_shape(boxes[r][i]), items[i][1].dtype)  # type: ignore[arg-type]
-                             for i in bucket if boxes[r][i] is not None])
+                             for i in bucket if boxes[r][i] is not None and not direct[r][i]])
         if total:
             bufs[r] = torch.empty(total, dtype=torch.uint8, device=comm)
-    return bufs
+        views = [fulls[i][boxes[r][i][0]] for i in bucket if direct[r][i]]  # type: ignore[index]
+        if total or views:
+            msgs[r] = ([bufs[r]] if total else []) + views
+    return bufs, msgs
 
 
-def _collect_rank0(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], bucket: list[int],
-                   boxes: list[list[Box | None]], fulls: dict[int, torch.Tensor],
-                   bufs: dict[int, torch.Tensor], status: Status,
-                   ) -> list[tuple[str, torch.Tensor]]:
-    """Rank 0: receive a bucket into its buffers while placing its own pieces, then unpack.
-
-    A failure while placing is recorded (agreed at the next boundary); the receives complete
-    either way, so the other ranks' sends never wait."""
-    with comm_errors(status.what):
-        works = [dist.irecv(buf, src=r) for r, buf in bufs.items()]
+def _collect_own(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], bucket: list[int],
+                 boxes: list[Box | None], fulls: dict[int, torch.Tensor], status: Status) -> None:
+    """Rank 0: place its own pieces of a bucket (a failure is agreed at the next boundary)."""
+    if status.error is not None:
+        return
     name = None
     try:
-        for i in bucket:  # rank 0's own pieces while the others' bytes arrive
-            if boxes[0][i] is not None:
+        for i in bucket:
+            if boxes[i] is not None:
                 name = items[i][0]
-                place(fulls[i], boxes[0][i], _plain_local(layouts[i]).cpu())
+                place(fulls[i], boxes[i], _plain_local(layouts[i]).cpu())
     except Exception as exc:  # noqa: BLE001 - agreed at the next boundary
         status.fail(exc, f"reading its shard of {name!r}")
-    with comm_errors(status.what):
-        for w in works:
-            w.wait()
+
+
+def _collect_hand_over(items: list[tuple[str, torch.Tensor]], boxes: list[list[Box | None]],
+                       direct: list[list[bool]], bucket: list[int], fulls: dict[int, torch.Tensor],
+                       bufs: dict[int, torch.Tensor], status: Status,
+                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Rank 0: unpack a bucket that has arrived (its large pieces are already in place) and yield it."""
     if status.error is not None:
-        return []
+        return
+    name = None
     try:
         for r, buf in bufs.items():
             off = 0
             for i in bucket:
-                if boxes[r][i] is not None:
+                if boxes[r][i] is not None and not direct[r][i]:
                     name = items[i][0]
                     piece, off = unpack(buf, off, box_shape(boxes[r][i]), items[i][1].dtype,  # type: ignore[arg-type]
                                         torch.device("cpu"))
-                    place(fulls[i], boxes[r][i], piece)
+                    place(fulls[i], boxes[r][i], piece)  # type: ignore[arg-type]
     except Exception as exc:  # noqa: BLE001 - agreed at the next boundary
         status.fail(exc, f"assembling {name!r}")
-        return []
-    return [(items[i][0], fulls[i]) for i in bucket]
+        return
+    yield from hand_over([[(items[i][0], fulls[i]) for i in bucket]], status)

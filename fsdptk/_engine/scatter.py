@@ -1,10 +1,10 @@
 """Distribute: full tensors -> this rank's shards (the load direction of the engine).
 
 Without ``src_rank0`` each rank reads its own piece of a source it can read (no tensor moves; a
-lazy source is read shard-on-read). With ``src_rank0`` rank 0 reads one tensor at a time, packs
-each rank's bytes of a bucket into one flat buffer per rank and sends it point to point: each rank
-receives only its bytes. The status of every bucket is agreed before its bytes move
-(:mod:`fsdptk._engine.agree`).
+lazy source is read shard-on-read). With ``src_rank0`` rank 0 reads one tensor at a time and sends
+each rank only its bytes of a bucket, point to point: small pieces packed into one flat buffer per
+rank, large ones alone from and into their final memory, two buckets in flight. The status of
+every bucket is agreed before its bytes move (:mod:`fsdptk._engine.agree`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from fsdptk._engine.sources import Source, as_source
 from fsdptk._engine.wire import (
     DEFAULT_BUCKET_BYTES,
     LOCAL_AGREE_BUCKETS,
+    InFlight,
     buckets,
+    is_direct,
     nbytes,
     pack,
     packed_size,
@@ -46,8 +48,10 @@ def distribute(
 
     Without ``src_rank0`` each rank slices its own piece of the source it can read: no tensor
     moves; a source with ``get_slice`` is read shard-on-read (only the local box). With
-    ``src_rank0`` rank 0 reads one tensor at a time, packs each rank's bytes of a bucket into one
-    flat buffer per rank and scatters. Either way every rank must exhaust the generator (it runs
+    ``src_rank0`` rank 0 reads one tensor at a time and sends each rank its bytes of a bucket: the
+    small pieces packed into one flat buffer per rank, each large piece alone from a view of the
+    full tensor into the receiver's final local tensor (zero-copy for dim-0 shards of matching
+    dtype); bucket k+1 is packed while bucket k is on the wire (one extra bucket of memory). Either way every rank must exhaust the generator (it runs
     collectives): the status of every bucket is agreed before its bytes move (see the module
     docstring), so a failure on any rank raises the same error on every rank, and a value is
     yielded only once every rank has read its bucket. If the caller's own code fails on one rank
@@ -134,54 +138,104 @@ def _rank0_pieces(plan: LoadPlan, i: int, source: Source, world: int,
 def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, release: bool,
                         bucket_bytes: int, world: int, rank: int, status: Status,
                         ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Rank 0 sends each rank exactly its bytes of a bucket (one flat buffer per rank, point to
-    point: a scatter without padding); rank 0's own pieces never touch a buffer. Everything that
-    can fail (rank 0's reads and packing, the receive buffers) happens before the bucket's status
-    agreement; a receiver's unpacking failure is agreed at the next one."""
+    """Rank 0 sends each rank exactly its bytes of a bucket, point to point (a scatter without
+    padding): the small pieces packed into one flat buffer per rank, each large piece on its own
+    (sent from a view of the full tensor when it is contiguous there, received straight into the
+    receiver's final local tensor). Rank 0's own pieces never touch a buffer.
+
+    Pipelined two buckets deep: rank 0 reads and packs bucket k+1 while bucket k is on the wire
+    (then waits for k before sending k+1); a receiver posts its receives of bucket k+1 before it
+    unpacks and yields bucket k. Everything that can fail (rank 0's reads and packing, the receive
+    buffers) happens before the bucket's status agreement; a receiver's unpacking failure is
+    agreed at the next one. Once a bucket is agreed every rank posts its transfers of it, and
+    every posted transfer is waited for, on the error paths too."""
     comm = _comm_device()
     entries = plan._entries
     layouts = plan._layouts or []
     parts = [[lay.wire_parts(*layouts[r][i], plan.out_dtype(f, lay)) for i, (f, lay) in enumerate(entries)]
              for r in range(world)]
+    direct = [[[is_direct(s, d, lay.quantized) for s, d in parts[r][i]] for i, (_, lay) in enumerate(entries)]
+              for r in range(world)]
     full_sizes = [nbytes(lay.shape, plan.out_dtype(f, lay)) for f, lay in entries]
-    for bucket in buckets(full_sizes, bucket_bytes):
-        sizes = [packed_size([p for i in bucket for p in parts[r][i]]) for r in range(world)]
-        bufs: dict[int, torch.Tensor] = {}
-        out: list[tuple[str, torch.Tensor]] = []
-        if status.error is None:
-            try:
+    flight = InFlight()  # the previous bucket's transfers
+    held: tuple[list[int], list[torch.Tensor]] | None = None  # a receiver: the previous bucket
+    try:
+        for bucket in buckets(full_sizes, bucket_bytes):
+            msgs: dict[int, list[torch.Tensor]] = {}
+            out: list[tuple[str, torch.Tensor]] = []
+            if status.error is None:
+                try:
+                    if rank == 0:
+                        msgs, out = _scatter_pack(plan, bucket, source, parts, direct, world, comm, device,
+                                                  release, status)
+                    else:
+                        msgs = {rank: _scatter_recv_buffers(bucket, parts[rank], direct[rank], comm)}
+                except Exception as exc:  # noqa: BLE001 - agreed just below
+                    status.fail(exc)
+            status.agree()
+            with comm_errors(status.what):
                 if rank == 0:
-                    bufs, out = _scatter_pack(plan, bucket, source, sizes, world, comm, device, release,
-                                              status)
-                elif sizes[rank]:
-                    bufs = {rank: torch.empty(sizes[rank], dtype=torch.uint8, device=comm)}
-            except Exception as exc:  # noqa: BLE001 - agreed just below
-                status.fail(exc)
-        status.agree()
-        with comm_errors(status.what):
+                    flight.wait()  # bucket k-1 is out: its buffers are free
+                    flight.post([dist.isend(t, dst=r) for r, ts in msgs.items() for t in ts],
+                                [t for ts in msgs.values() for t in ts])
+                else:
+                    mine = msgs.get(rank, [])
+                    posted = InFlight()
+                    posted.post([dist.irecv(t, src=0) for t in mine], mine)
+                    flight.wait()  # bucket k-1 has arrived (bucket k's receives are already posted)
+                    flight = posted
             if rank == 0:
-                works = [dist.isend(buf, dst=r) for r, buf in bufs.items()]
-                for w in works:
-                    w.wait()
-            elif sizes[rank]:
-                dist.recv(bufs[rank], src=0)
-        if rank != 0 and status.error is None:
-            try:
-                out = _scatter_unpack(plan, bucket, parts[rank], bufs.get(rank), device)
-            except Exception as exc:  # noqa: BLE001 - agreed at the next boundary
-                status.fail(exc, f"unpacking a bucket of {[entries[i][0] for i in bucket]}")
-        del bufs
-        yield from hand_over(out, status)
-        del out
-    status.agree()
+                yield from hand_over(out, status)
+            elif held is not None:
+                yield from _scatter_hand_over(plan, *held, parts[rank], direct[rank], device, status)
+            held = (bucket, msgs.get(rank, [])) if rank != 0 else None
+            del msgs, out
+        with comm_errors(status.what):
+            flight.wait()
+        status.agree()  # the last bucket's unpacking (a receiver's) is agreed before it is yielded
+        if held is not None:
+            yield from _scatter_hand_over(plan, *held, parts[rank], direct[rank], device, status)
+        status.agree()
+    finally:
+        flight.drain_quietly()
 
 
-def _scatter_pack(plan: LoadPlan, bucket: list[int], source: Source, sizes: list[int],
-                  world: int, comm: torch.device, device: torch.device, release: bool, status: Status,
-                  ) -> tuple[dict[int, torch.Tensor], list[tuple[str, torch.Tensor]]]:
-    """Rank 0: read a bucket, pack every other rank's bytes, keep its own pieces as outputs."""
+def _scatter_hand_over(plan: LoadPlan, bucket: list[int], received: list[torch.Tensor], parts: list[Any],
+                       direct: list[list[bool]], device: torch.device, status: Status,
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A receiver: unpack a bucket that has arrived and yield it (nothing when a rank failed)."""
+    if status.error is not None:
+        return
+    try:
+        out = _scatter_unpack(plan, bucket, parts, direct, received, device)
+    except Exception as exc:  # noqa: BLE001 - agreed at the next boundary
+        status.fail(exc, f"unpacking a bucket of {[plan._entries[i][0] for i in bucket]}")
+        return
+    yield from hand_over(out, status)
+
+
+def _scatter_recv_buffers(bucket: list[int], parts: list[Any], direct: list[list[bool]],
+                          comm: torch.device) -> list[torch.Tensor]:
+    """A receiver: its messages of a bucket, in send order (the flat buffer of its small pieces,
+    then one final local tensor per large piece)."""
+    size = packed_size([p for i in bucket for p, d in zip(parts[i], direct[i]) if not d])
+    msgs = [torch.empty(size, dtype=torch.uint8, device=comm)] if size else []
+    msgs += [torch.empty(s, dtype=dt, device=comm) for i in bucket for (s, dt), d in zip(parts[i], direct[i]) if d]
+    return msgs
+
+
+def _scatter_pack(plan: LoadPlan, bucket: list[int], source: Source, parts: list[list[Any]],
+                  direct: list[list[list[bool]]], world: int, comm: torch.device, device: torch.device,
+                  release: bool, status: Status,
+                  ) -> tuple[dict[int, list[torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+    """Rank 0: read a bucket; every other rank's messages (its small pieces packed into one flat
+    buffer, then each large piece as it is: a view of the full tensor when contiguous there); its
+    own pieces kept as outputs."""
+    sizes = [packed_size([p for i in bucket for p, d in zip(parts[r][i], direct[r][i]) if not d])
+             for r in range(world)]
     bufs = {r: torch.empty(sizes[r], dtype=torch.uint8, device=comm) for r in range(1, world) if sizes[r]}
     offs = dict.fromkeys(bufs, 0)
+    alone: dict[int, list[torch.Tensor]] = {r: [] for r in range(1, world)}
     out = []
     for i in bucket:
         fqn, lay = plan._entries[i]
@@ -194,22 +248,34 @@ def _scatter_pack(plan: LoadPlan, bucket: list[int], source: Source, sizes: list
             source.release(fqn)
         own = [torch.empty(p.shape, dtype=p.dtype, device=device).copy_(p) for p in pieces[0]]
         out.append((fqn, lay.wrap(lay.assemble(own))))
-        for r in bufs:
-            for piece in pieces[r]:
-                offs[r] = pack(bufs[r], offs[r], piece)
+        for r in range(1, world):
+            for piece, d in zip(pieces[r], direct[r][i]):
+                if d:  # zero-copy when the piece is a contiguous view of the full tensor
+                    alone[r].append(piece.to(comm).contiguous())
+                elif r in bufs:  # (no buffer: all of its pieces are empty)
+                    offs[r] = pack(bufs[r], offs[r], piece)
         del pieces
-    return bufs, out
+    msgs = {r: ([bufs[r]] if r in bufs else []) + alone[r] for r in range(1, world)}
+    return {r: m for r, m in msgs.items() if m}, out
 
 
-def _scatter_unpack(plan: LoadPlan, bucket: list[int], parts: list[Any], buf: torch.Tensor | None,
-                    device: torch.device) -> list[tuple[str, torch.Tensor]]:
-    """A receiver: its outputs of a bucket, viewed out of (or copied from) the received buffer."""
+def _scatter_unpack(plan: LoadPlan, bucket: list[int], parts: list[Any], direct: list[list[bool]],
+                    received: list[torch.Tensor], device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """A receiver: its outputs of a bucket: views out of the flat buffer (copies when ``device``
+    is not the communication device), and the large pieces as received."""
+    has_buf = packed_size([p for i in bucket for p, d in zip(parts[i], direct[i]) if not d]) > 0
+    buf = received[0] if has_buf else None
+    alone = iter(received[1:] if has_buf else received)
     out, off = [], 0
     for i in bucket:
         fqn, lay = plan._entries[i]
         tensors = []
-        for shape, dtype in parts[i]:
-            t, off = unpack(buf, off, shape, dtype, device)
-            tensors.append(t)
+        for (shape, dtype), d in zip(parts[i], direct[i]):
+            if d:
+                t = next(alone)
+                tensors.append(t if t.device == device else t.to(device))
+            else:
+                t, off = unpack(buf, off, shape, dtype, device)
+                tensors.append(t)
         out.append((fqn, lay.wrap(lay.assemble(tensors))))
     return out

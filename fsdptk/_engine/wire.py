@@ -1,8 +1,14 @@
-"""The wire format of the engine: flat byte buffers of aligned pieces, and buckets of tensors.
+"""The wire format of the engine: flat byte buffers of aligned pieces, direct pieces, buckets.
 
-A bucket is a run of consecutive tensors whose full bytes add up to about ``bucket_bytes``; for
-each bucket a rank's pieces travel as ONE flat ``uint8`` buffer, each piece at a 16-byte aligned
-offset so that any dtype can be viewed out of it without a copy.
+A bucket is a run of consecutive tensors whose full bytes add up to about ``bucket_bytes``. For
+each bucket a rank's small pieces travel as ONE flat ``uint8`` buffer (coalescing many small
+tensors into one message is what makes small models fast), each piece at a 16-byte aligned offset
+so that any dtype can be viewed out of it without a copy. A piece of at least
+:data:`DIRECT_MIN_BYTES` whose layout allows it travels alone, as its own message after the flat
+buffer, sent from and received into its final memory (zero-copy: see :func:`is_direct`).
+
+Transfers are pipelined two buckets deep (:class:`InFlight`): bucket k+1 is packed (or its
+receive posted) while bucket k is on the wire, so a rank holds at most one extra bucket.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024  # small enough that packing overlaps se
 # phase: it runs once per this many buckets (16 MiB buckets: every 256 MiB of full tensors)
 LOCAL_AGREE_BUCKETS = 16
 ALIGN = 16  # byte alignment of every piece inside a flat buffer (any dtype can be viewed)
+# a piece this large travels as its own message, from / into its final memory (no pack, no unpack);
+# smaller pieces are coalesced into the bucket's flat buffer (one message per rank and bucket)
+DIRECT_MIN_BYTES = 256 * 1024
 
 
 def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -56,6 +65,48 @@ def unpack(buf: torch.Tensor | None, off: int, shape: Sequence[int], dtype: torc
     if t.device != device:
         t = t.to(device)
     return t, off + aligned(n)
+
+
+def is_direct(shape: Sequence[int], dtype: torch.dtype, packable_only: bool = False) -> bool:
+    """Whether a piece of ``shape``/``dtype`` travels as its own message (not packed).
+
+    Every rank decides this from the agreed metadata alone (the same answer on the sender and the
+    receiver). ``packable_only`` (NF4 inner tensors, or a transport that cannot receive into the
+    final memory) keeps the piece packed whatever its size.
+    """
+    return not packable_only and nbytes(shape, dtype) >= DIRECT_MIN_BYTES
+
+
+class InFlight:
+    """The posted point-to-point transfers of one bucket and the tensors they read or fill.
+
+    The tensors are held until :meth:`wait` returns, so nothing a transfer touches is freed or
+    reused while it is on the wire. Once the bucket's status is agreed every rank posts its part
+    of the bucket unconditionally, so a wait always has a matching peer.
+    """
+
+    def __init__(self) -> None:
+        self.works: list[object] = []
+        self.tensors: list[torch.Tensor] = []
+
+    def post(self, works: Sequence[object], tensors: Sequence[torch.Tensor]) -> None:
+        """Remember ``works`` and keep ``tensors`` alive until :meth:`wait`."""
+        self.works.extend(works)
+        self.tensors.extend(tensors)
+
+    def wait(self) -> None:
+        """Wait for every posted transfer; then the tensors may be freed or read."""
+        works, self.works = self.works, []
+        for w in works:
+            w.wait()  # type: ignore[attr-defined]
+        self.tensors = []
+
+    def drain_quietly(self) -> None:
+        """Wait while another exception propagates (that one is the error to report)."""
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - the error already propagating is the one reported
+            self.works, self.tensors = [], []
 
 
 def buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:

@@ -28,8 +28,7 @@ _UNREADABLE_GRACE_S = 60.0
 _HELD: set[str] = set()  # tokens of the locks this process holds now
 
 
-class CheckpointLockedError(BlockingIOError):
-    """Another writer holds the lock of a checkpoint target (the message names it)."""
+from fsdptk.errors import CheckpointLockedError  # noqa: E402 - re-exported (its old import path)
 
 
 def _proc_start(pid: int) -> str | None:

@@ -260,7 +260,7 @@ class World:
         >>> from fsdptk.testing import World
         >>> def rank_times_ten():
         ...     return dist.get_rank() * 10
-        >>> with World(2) as w:  # doctest: +SKIP
+        >>> with World(2) as w:  # spawns processes; tests/test_testing_world.py runs it  # doctest: +SKIP
         ...     w.run(rank_times_ten)
         [0, 10]
     """
@@ -403,7 +403,7 @@ class World:
             ...     t = torch.ones(1) * (dist.get_rank() + 1)
             ...     dist.all_reduce(t)
             ...     return t.item()
-            >>> World(2).run(total)  # doctest: +SKIP
+            >>> World(2).run(total)  # spawns processes; tests/test_testing_world.py runs it  # doctest: +SKIP
             [3.0, 3.0]
         """
         if not self._procs:

@@ -1,0 +1,163 @@
+"""``python -m benchmarks wire``: fsdptk's rank-0 load and gather beside the wire limit, in one run.
+
+The limit is a raw point-to-point transfer of EXACTLY the bytes of the scenario, in the same process
+group and the same run: for a load, rank 0 ``isend``s each other rank one contiguous buffer of all
+its shard bytes (what a perfect scatter would move, with no pack, no unpack, no metadata); for a
+gather, each rank sends rank 0 one buffer of its shard bytes. Beside them run fsdptk
+(``load_from_full_model_state_dict(broadcast_from_rank0=True)``, ``gather_cpu_state_dict``) and
+PyTorch DCP (``set_model_state_dict`` / ``get_model_state_dict`` with ``full_state_dict=True``) on
+the same FSDP2 model. Two models: ``large`` (24 tensors of 2048 x 2048 fp32: 0.4 GB) and ``small``
+(200 tensors of 128 x 128 fp32: 64 KB each, where fixed costs dominate). Each (model, method) is
+timed ``--repeats`` times, interleaved, between barriers; the table shows the minimum and the
+ratios fsdptk / raw and fsdptk / DCP, with the load average of the machine at the start and end.
+
+Example::
+
+    .venv-peers/bin/python -m benchmarks wire --worlds 2 4 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+__all__ = ["main", "MODELS"]
+
+MODELS = {"large": (24, 2048, 2048), "small": (200, 128, 128)}  # (tensors, rows, cols), fp32
+METHODS = ["raw_load", "fsdptk_load", "dcp_load", "raw_gather", "fsdptk_gather", "dcp_gather"]
+
+
+def _model(n: int, rows: int, cols: int) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(cols, rows, bias=False) for _ in range(n)])
+    for m in model:
+        fully_shard(m)
+    fully_shard(model)
+    return model
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
+def _worker(rank: int, world: int, port: int, names: list[str], repeats: int, q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    from fsdptk import gather_cpu_state_dict, load_from_full_model_state_dict
+
+    results: dict[tuple[str, str], list[float]] = {}
+    for name in names:
+        n, rows, cols = MODELS[name]
+        model = _model(n, rows, cols)
+        model.to_empty(device="cpu")
+        gen = torch.Generator().manual_seed(0)
+        full = {f"{i}.weight": torch.randn(rows, cols, generator=gen) for i in range(n)} if rank == 0 else {}
+        shards = [p.to_local() for p in model.parameters()]
+        mine = sum(s.numel() for s in shards)  # this rank's shard elements (what it receives / sends)
+        gathered = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+        dist.all_gather(gathered, torch.tensor([mine]))
+        per_rank = [int(c) for c in gathered]
+        bufs = {r: torch.ones(per_rank[r]) for r in range(1, world)} if rank == 0 else {rank: torch.empty(mine)}
+
+        def raw_load() -> None:
+            if rank == 0:
+                for w in [dist.isend(b, dst=r) for r, b in bufs.items()]:
+                    w.wait()
+            else:
+                dist.recv(bufs[rank], src=0)
+
+        def raw_gather() -> None:
+            if rank == 0:
+                for w in [dist.irecv(b, src=r) for r, b in bufs.items()]:
+                    w.wait()
+            else:
+                dist.send(bufs[rank], dst=0)
+
+        def fsdptk_load() -> None:
+            load_from_full_model_state_dict(model, dict(full), "cpu", broadcast_from_rank0=True)
+
+        def dcp_load() -> None:
+            set_model_state_dict(model, dict(full), options=StateDictOptions(full_state_dict=True,
+                                                                             broadcast_from_rank0=True))
+
+        def fsdptk_gather() -> None:
+            gather_cpu_state_dict(model, rank == 0)
+
+        def dcp_gather() -> None:
+            get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+        fns = {"raw_load": raw_load, "fsdptk_load": fsdptk_load, "dcp_load": dcp_load,
+               "raw_gather": raw_gather, "fsdptk_gather": fsdptk_gather, "dcp_gather": dcp_gather}
+        for fn in fns.values():  # warm-up (first-call costs are not what is compared)
+            fn()
+        for _ in range(repeats):
+            for m, fn in fns.items():
+                results.setdefault((name, m), []).append(_timed(fn))
+    if rank == 0:
+        q.put(results)
+    dist.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(world: int, names: list[str], repeats: int) -> dict[tuple[str, str], list[float]]:
+    """Time every method on every model at ``world`` ranks; rank 0's seconds per repeat."""
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(world, _port(), names, repeats, q), nprocs=world, start_method="spawn")
+    return q.get()
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the wire benchmark and print one table per world size."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks wire", description=__doc__.split("\n")[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    for world in args.worlds:
+        before = _load()
+        res = run(world, args.models, args.repeats)
+        after = _load()
+        print(f"\n## {world} ranks, min of {args.repeats} (load average before: {before}; after: {after})")
+        print("| model | raw load s | fsdptk load s | dcp load s | load/raw | load/dcp "
+              "| raw gather s | fsdptk gather s | dcp gather s | gather/raw | gather/dcp |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for name in args.models:
+            t = {m: min(res[(name, m)]) for m in METHODS}
+            n, rows, cols = MODELS[name]
+            label = f"{name} ({n} x {rows}x{cols} fp32, {n * rows * cols * 4 / 1e9:.3f} GB)"
+            print(f"| {label} | {t['raw_load']:.4f} | {t['fsdptk_load']:.4f} | {t['dcp_load']:.4f} "
+                  f"| {t['fsdptk_load'] / t['raw_load']:.2f} | {t['fsdptk_load'] / t['dcp_load']:.2f} "
+                  f"| {t['raw_gather']:.4f} | {t['fsdptk_gather']:.4f} | {t['dcp_gather']:.4f} "
+                  f"| {t['fsdptk_gather'] / t['raw_gather']:.2f} | {t['fsdptk_gather'] / t['dcp_gather']:.2f} |",
+                  flush=True)
+    return 0
