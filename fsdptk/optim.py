@@ -147,8 +147,9 @@ def iter_full_optimizer_state(
     yield from _iter_state(_agreed_layout(model, opt, bucket_bytes)[0], bucket_size(bucket_bytes))
 
 
-def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int
+def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int, retained: bool = False,
                 ) -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """:func:`iter_full_optimizer_state`; ``retained``: the caller keeps every bucket."""
     names = [f"{STATE}.{fqn}.{key}" for fqn, key, _ in entries]
     items = [(n, v) for n, (_, _, v) in zip(names, entries) if isinstance(v, torch.Tensor)]
     last = {fqn: i for i, (fqn, _, _) in enumerate(entries)}  # index of each fqn's last entry
@@ -174,7 +175,7 @@ def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int
         return done
 
     arrived: dict[str, torch.Tensor] = {}
-    buckets = _engine.collect(items, bucket_bytes=bucket_bytes)
+    buckets = _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained)
     for bucket in buckets:
         try:
             arrived.update(bucket)
@@ -247,7 +248,7 @@ def get_full_optimizer_state_dict(
     keep = check_rank_zero("get_full_optimizer_state_dict", is_rank_zero)
     entries, groups = _agreed_layout(model, opt, bucket_bytes)
     state: dict[str, dict[str, Any]] = {}
-    for bucket in _iter_state(entries, bucket_size(bucket_bytes)):
+    for bucket in _iter_state(entries, bucket_size(bucket_bytes), retained=True):
         state.update(bucket)
     if not keep:
         return {}

@@ -395,11 +395,18 @@ def iter_full_state_dict(
         >>> [k for bucket in iter_full_state_dict(torch.nn.Linear(2, 3)) for k, _ in bucket]
         ['weight', 'bias']
     """
+    return _stream_state(model, bucket_bytes, adapter_weights_only, is_adapter, retained=False)
+
+
+def _stream_state(model: nn.Module, bucket_bytes: int | None, adapter_weights_only: bool,
+                  is_adapter: Callable[[str, torch.Tensor], bool] | None, *, retained: bool,
+                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """:func:`iter_full_state_dict`; ``retained``: the caller keeps every bucket (see ``collect``)."""
     with agreed():  # a bad argument or a failing is_adapter on any rank: raised on every rank
         check_type(model, nn.Module, "model", "a torch.nn.Module")
         bucket_bytes = bucket_size(bucket_bytes)
         items, groups = _gather_items(model, adapter_weights_only, is_adapter)
-    buckets = _engine.collect(items, bucket_bytes=bucket_bytes)
+    buckets = _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained)
     for bucket in buckets:
         try:
             yield [(k, t) for fqn, t in bucket for k in (fqn, *groups.get(fqn, ()))]
@@ -456,7 +463,6 @@ def gather_cpu_state_dict(
     check_comm_device("gather_cpu_state_dict", device)
     keep = check_rank_zero("gather_cpu_state_dict", is_rank_zero)
     out: dict[str, torch.Tensor] = {}
-    for bucket in iter_full_state_dict(model, bucket_bytes=bucket_bytes,
-                                       adapter_weights_only=adapter_weights_only, is_adapter=is_adapter):
+    for bucket in _stream_state(model, bucket_bytes, adapter_weights_only, is_adapter, retained=True):
         out.update(bucket)
     return out if keep else {}

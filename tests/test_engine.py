@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings
@@ -122,8 +124,10 @@ def test_distribute_collect_match_dtensor(world, cases, mode, bucket, seed):
 # pipelined two buckets deep
 
 
-def _wire_case(cases, mesh_kind, mode, bucket, seed, direct_min, nf4):
-    """Load then gather with pieces of at least ``direct_min`` bytes travelling alone.
+def _wire_case(cases, mesh_kind, mode, bucket, seed, direct_min, nf4, lazy=False):
+    """Load then gather with pieces of at least ``direct_min`` bytes travelling alone; ``lazy``
+    hides the dict behind a read-only Mapping (not assumed to hold its values, so buckets count
+    the full tensors rank 0 reads) and gathers with ``retained`` (buckets count packed pieces).
 
     Returns, per rank: (locals exact, fulls exact, zero-copy evidence, packs done)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -154,6 +158,8 @@ def _wire_case(cases, mesh_kind, mode, bucket, seed, direct_min, nf4):
         fulls["q"], expect["q"] = w, dequantize(q)
         targets.append(("q", q))
     src = (dict(fulls) if rank == 0 else {}) if mode == "rank0" else dict(fulls)
+    if lazy:
+        src = MappingProxyType(src)
     old, packs = wire.DIRECT_MIN_BYTES, [0]
     inner_s, inner_g = scatter.pack, gather.pack
 
@@ -170,7 +176,7 @@ def _wire_case(cases, mesh_kind, mode, bucket, seed, direct_min, nf4):
         out = dict(distribute(plan, src, device="cpu", bucket_bytes=bucket))
         load_packs, packs[0] = packs[0], 0
         got = {}
-        for b in collect(list(out.items()), bucket_bytes=bucket):
+        for b in collect(list(out.items()), bucket_bytes=bucket, retained=lazy):
             got.update(b)
         gather_packs = packs[0]
     finally:
@@ -208,11 +214,14 @@ def _wire_tensor_case(draw):
 @settings(max_examples=12, deadline=None)
 @given(cases=st.lists(_wire_tensor_case(), min_size=1, max_size=4), mesh_kind=st.sampled_from(["2d", "1d"]),
        mode=st.sampled_from(["rank0", "local"]), bucket=st.sampled_from([1, 200, 1 << 20]),
-       seed=st.integers(0, 1000), direct_min=st.sampled_from([1, 64, 1 << 30]), nf4=st.booleans())
-def test_zero_copy_and_packed_pieces_round_trip_exactly(world, cases, mesh_kind, mode, bucket, seed, direct_min, nf4):
-    """Uneven shards, _StridedShard, HSDP (Replicate x Shard), NF4, tiny buckets, casts: every
-    piece lands exactly, whether it travelled alone (zero-copy) or packed."""
-    res = world(4).run(_wire_case, cases, mesh_kind, mode, bucket, seed, direct_min, nf4)
+       seed=st.integers(0, 1000), direct_min=st.sampled_from([1, 64, 1 << 30]), nf4=st.booleans(),
+       lazy=st.booleans())
+def test_zero_copy_and_packed_pieces_round_trip_exactly(world, cases, mesh_kind, mode, bucket, seed, direct_min, nf4,
+                                                        lazy):
+    """Uneven shards, _StridedShard, HSDP (Replicate x Shard), NF4, tiny buckets, casts, a dict
+    source (buckets sized by the memory they add) or a lazy Mapping (by the full tensors read):
+    every piece lands exactly, whether it travelled alone (zero-copy) or packed."""
+    res = world(4).run(_wire_case, cases, mesh_kind, mode, bucket, seed, direct_min, nf4, lazy)
     assert [r[:3] for r in res] == [(True, True, True)] * 4, res
 
 
@@ -234,6 +243,86 @@ def test_dim0_shards_travel_without_pack_or_unpack(world):
     assert [r[:3] for r in packed] == [(True, True, True)] * 4, packed
     # rank 0 packs 2 pieces for each of 3 ranks; each sender packs its 2 pieces for the gather
     assert [r[3:] for r in packed] == [(6, 0), (0, 2), (0, 2), (0, 2)], packed
+
+
+def _agreement_counts(lazy, retained):
+    """2 ranks, 4 fp32 tensors of 64 x 1024 (256 KiB) as Shard(0), buckets of one tensor: the
+    status agreements of a rank-0 load and of a gather, and whether the values round-trip."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import fsdptk._engine.wire as wire
+    from fsdptk._engine import agree, collect, distribute
+    from fsdptk._engine.agree import Status
+
+    mesh = init_device_mesh("cpu", (2,))
+    fulls = {f"t{i}": torch.randn(64, 1024, generator=torch.Generator().manual_seed(i)) for i in range(4)}
+    targets = [(k, distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None).to("meta")) for k, v in fulls.items()]
+    src = dict(fulls) if dist.get_rank() == 0 else {}
+    calls, inner, old = [0], Status.agree, wire.DIRECT_MIN_BYTES
+
+    def counted(self):
+        calls[0] += 1
+        return inner(self)
+
+    Status.agree, wire.DIRECT_MIN_BYTES = counted, 1
+    try:
+        plan = agree(targets, MappingProxyType(src) if lazy else src, src_rank0=True)
+        out = dict(distribute(plan, MappingProxyType(src) if lazy else src, device="cpu", bucket_bytes=256 << 10))
+        load_calls, calls[0] = calls[0], 0
+        got = {k: v for b in collect(list(out.items()), bucket_bytes=256 << 10, retained=retained) for k, v in b}
+    finally:
+        Status.agree, wire.DIRECT_MIN_BYTES = inner, old
+    exact = all(torch.equal(got[k], v) for k, v in fulls.items()) if dist.get_rank() == 0 else got == {}
+    return load_calls, calls[0], exact
+
+
+def test_buckets_count_the_memory_they_add_not_the_bytes_they_move(world):
+    """A dict already holds its tensors and dim-0 shards are sent from views of them into their
+    final memory: the load adds no memory, so it is one bucket (agreed before it moves, after the
+    wire, and at the end); a lazy Mapping's full tensors are read one bucket at a time. A gather
+    whose caller keeps everything (``retained``) counts only packed pieces; a streaming one counts
+    the full tensors rank 0 holds per bucket."""
+    assert world(2).run(_agreement_counts, False, True) == [(3, 2, True)] * 2
+    assert world(2).run(_agreement_counts, True, False) == [(6, 5, True)] * 2
+
+
+def _own_copy_fails():
+    """Rank 0 fails while copying its own piece of the 2nd tensor, after the bucket's sends
+    were posted: every rank raises rank 0's error, nothing is yielded on rank 0 after it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import fsdptk._engine.layouts as layouts
+    from fsdptk._engine import agree, distribute
+
+    mesh = init_device_mesh("cpu", (2,))
+    fulls = {f"t{i}": torch.randn(8, 4, generator=torch.Generator().manual_seed(i)) for i in range(3)}
+    targets = [(k, distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None).to("meta")) for k, v in fulls.items()]
+    src = dict(fulls) if dist.get_rank() == 0 else {}
+    inner, seen, calls = layouts.DTensorLayout.wrap, [], [0]
+
+    def wrap(self, local):
+        calls[0] += 1
+        if dist.get_rank() == 0 and calls[0] == 2:
+            raise MemoryError("no memory for the own piece")
+        return inner(self, local)
+
+    layouts.DTensorLayout.wrap = wrap
+    try:
+        for k, _ in distribute(agree(targets, src, src_rank0=True), src, device="cpu"):
+            seen.append(k)
+    except MemoryError as e:
+        return type(e).__name__, "(on rank 0)" in str(e) or dist.get_rank() == 0, seen
+    finally:
+        layouts.DTensorLayout.wrap = inner
+    return "no error", False, seen
+
+
+def test_a_failure_copying_rank0s_own_piece_after_the_sends_is_raised_everywhere(world):
+    res = world(2).run(_own_copy_fails, timeout=60)
+    assert [r[:2] for r in res] == [("MemoryError", True)] * 2, res
+    assert res[1][2] == [], res  # the receiver yields nothing of the failed bucket
 
 
 def _differ():

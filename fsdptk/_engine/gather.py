@@ -18,7 +18,7 @@ from fsdptk._dist import _comm_device, all_gather_object, comm_errors, error_pay
 from fsdptk._dist import raise_problems as _raise
 from fsdptk._dist import world as _world
 from fsdptk._engine.agree import Status, _fingerprint, guarded, hand_over
-from fsdptk._engine.layouts import Box, Layout, box_shape, layout_of, place
+from fsdptk._engine.layouts import Box, Layout, box_shape, is_dim0_run, layout_of, place
 from fsdptk._engine.wire import (
     DEFAULT_BUCKET_BYTES,
     InFlight,
@@ -50,6 +50,7 @@ def collect(
     items: Iterable[tuple[str, torch.Tensor]],
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    retained: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Turn local shards into full CPU tensors on rank 0, one bucket at a time.
 
@@ -67,7 +68,11 @@ def collect(
     Args:
         items: ``(fqn, tensor)`` pairs in the same order on every rank: DTensors (any mesh,
             ``_StridedShard`` included), plain tensors, NF4 tensors or DTensors wrapping NF4.
-        bucket_bytes: full-tensor bytes per bucket.
+        bucket_bytes: full-tensor bytes per bucket: bounds the full tensors rank 0 holds for one
+            bucket and every rank's packed pieces.
+        retained: the caller keeps every bucket (it builds the whole state dict), so the full
+            tensors are not counted toward ``bucket_bytes``, only the packed pieces: large dim-0
+            shards received into place then move in few buckets, with few status agreements.
 
     Returns:
         Iterator[list[tuple[str, torch.Tensor]]]: buckets; every rank must exhaust the generator.
@@ -105,18 +110,13 @@ def collect(
     _raise(all_problems, "cannot gather the state")
     status = Status("gather")
     layouts = [v[0] for v in views]
-    yield from guarded(_collect_buckets(items, layouts, [p[1] for p in payloads], bucket_bytes, status),  # type: ignore[arg-type]
-                       status)
-
-
-def _dim0_box(box: Box, shape: tuple[int, ...]) -> bool:
-    """Whether ``box`` is a run of whole dim-0 rows (a contiguous range of a contiguous tensor)."""
-    return (len(box) > 0 and isinstance(box[0], slice)
-            and all(isinstance(b, slice) and b.start == 0 and b.stop == n for b, n in zip(box[1:], shape[1:])))
+    yield from guarded(_collect_buckets(items, layouts, [p[1] for p in payloads], bucket_bytes, retained,  # type: ignore[arg-type]
+                                        status), status)
 
 
 def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout],
-                     boxes: list[list[Box | None]], bucket_bytes: int, status: Status) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                     boxes: list[list[Box | None]], bucket_bytes: int, retained: bool, status: Status,
+                     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The data phase of :func:`collect`: per bucket, pack, agree, then move the bytes.
 
     A sender's small pieces travel packed in one flat buffer; a large dim-0 piece travels alone,
@@ -129,9 +129,14 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
     world, rank = _world()
     comm = _comm_device() if world > 1 else torch.device("cpu")
     into_full = comm.type == "cpu"  # a receive can land in the (CPU) full tensors
-    direct = [[b is not None and into_full and _dim0_box(b, tuple(t.shape))
+    direct = [[b is not None and into_full and is_dim0_run(b, t.shape)
                and is_direct(box_shape(b), t.dtype) for b, (_, t) in zip(boxes[r], items)] for r in range(world)]
-    sizes = [nbytes(t.shape, t.dtype) for _, t in items]
+    if retained:  # only the packed (or dequantised) pieces add memory: the fulls are kept anyway
+        sizes = [sum(nbytes(box_shape(boxes[r][i]), t.dtype) for r in range(1, world)  # type: ignore[arg-type]
+                     if boxes[r][i] is not None and (layouts[i].quantized or not direct[r][i]))
+                 for i, (_, t) in enumerate(items)]
+    else:
+        sizes = [nbytes(t.shape, t.dtype) for _, t in items]
     flight = InFlight()  # the previous bucket's transfers
     held: tuple[list[int], dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None  # rank 0
     try:

@@ -42,6 +42,13 @@ def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(b.stop - b.start if isinstance(b, slice) else len(b) for b in box)
 
 
+def is_dim0_run(box: Box, shape: Sequence[int]) -> bool:
+    """Whether ``box`` is a run of whole dim-0 rows: a contiguous range of a contiguous tensor of
+    ``shape`` (its piece is a view, with no copy, and can be sent from or received into place)."""
+    return (len(box) > 0 and isinstance(box[0], slice)
+            and all(isinstance(b, slice) and b.start == 0 and b.stop == n for b, n in zip(box[1:], shape[1:])))
+
+
 def extract(full: Any, box: Box) -> Any:
     """``full``'s piece at ``box``; ``full`` is a tensor or anything indexable by a tuple of slices.
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from fsdptk._dist import _comm_device, comm_errors
 from fsdptk._dist import world as _world
 from fsdptk._engine.agree import LoadPlan, Status, guarded, hand_over
+from fsdptk._engine.layouts import box_shape, is_dim0_run
 from fsdptk._engine.sources import Source, as_source
 from fsdptk._engine.wire import (
     DEFAULT_BUCKET_BYTES,
@@ -69,8 +70,11 @@ def distribute(
         device: where the outputs are allocated (``meta`` targets are materialised here).
         release: drop each source entry (``del source[key]``, when the Mapping supports it) right
             after use, so the caller's memory shrinks as the load proceeds. This MUTATES ``source``.
-        bucket_bytes: target size (full-tensor bytes) of one scatter; bounds rank 0's extra memory.
-            Without ``src_rank0`` the status is agreed every 16 buckets (nothing is sent).
+        bucket_bytes: bounds the memory one bucket adds beyond the caller's source and the
+            outputs: full-tensor bytes of what rank 0 reads from a lazy source (or converts), and
+            the packed pieces. Pieces sent from a tensor the source already holds (a ``dict``) and
+            received into the outputs add nothing, so such a model moves in few buckets. Without
+            ``src_rank0`` the status is agreed every 16 buckets (nothing is sent).
 
     Returns:
         Iterator[tuple[str, torch.Tensor]]: ``(fqn, value)`` pairs (plain tensors, not Parameters).
@@ -135,19 +139,42 @@ def _rank0_pieces(plan: LoadPlan, i: int, source: Source, world: int,
     return lay.cut(source.read(fqn), [layouts[r][i][0] for r in range(world)], plan.out_dtype(fqn, lay), comm)
 
 
+def _extra_bytes(plan: LoadPlan, i: int, direct: list[list[list[bool]]], world: int, comm: torch.device) -> int:
+    """What entry ``i`` adds to memory while its bucket is on the wire, beyond the caller's source
+    and the outputs: this is what ``bucket_bytes`` bounds.
+
+    Rank 0 reads (or converts, or quantises) the full tensor unless its source already holds it,
+    contiguous, in the output dtype, on the communication device: then the only extra bytes are
+    the pieces that are packed (or copied to be contiguous), on rank 0 and on their receiver.
+    Large dim-0 pieces are sent from views of the full tensor and received into the outputs, so a
+    model of such tensors held in a dict moves in one bucket with one status agreement.
+    """
+    fqn, lay = plan._entries[i]
+    dtype = plan.out_dtype(fqn, lay)
+    meta = plan.metas[fqn]
+    if lay.quantized or meta.held_on != comm.type or meta.dtype != dtype:
+        return nbytes(lay.shape, dtype)
+    layouts = plan._layouts or []
+    return sum(nbytes(box_shape(layouts[r][i][0]), dtype) for r in range(1, world)
+               if not (direct[r][i][0] and is_dim0_run(layouts[r][i][0], lay.shape)))
+
+
 def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, release: bool,
                         bucket_bytes: int, world: int, rank: int, status: Status,
                         ) -> Iterator[tuple[str, torch.Tensor]]:
     """Rank 0 sends each rank exactly its bytes of a bucket, point to point (a scatter without
     padding): the small pieces packed into one flat buffer per rank, each large piece on its own
     (sent from a view of the full tensor when it is contiguous there, received straight into the
-    receiver's final local tensor). Rank 0's own pieces never touch a buffer.
+    receiver's final local tensor). Buckets are sized by the memory they add
+    (:func:`_extra_bytes`), not by the bytes they move.
 
     Pipelined two buckets deep: rank 0 reads and packs bucket k+1 while bucket k is on the wire
-    (then waits for k before sending k+1); a receiver posts its receives of bucket k+1 before it
-    unpacks and yields bucket k. Everything that can fail (rank 0's reads and packing, the receive
-    buffers) happens before the bucket's status agreement; a receiver's unpacking failure is
-    agreed at the next one. Once a bucket is agreed every rank posts its transfers of it, and
+    (then waits for k before sending k+1), and copies its own pieces of a bucket while that
+    bucket's sends are on the wire; a receiver posts its receives of bucket k+1 before it unpacks
+    and yields bucket k. Everything that can fail before bytes move (rank 0's reads and packing,
+    the receive buffers) happens before the bucket's status agreement; a failure after it (rank
+    0's own copies, a receiver's unpacking) is agreed at the next one, before anything of that
+    bucket is yielded anywhere. Once a bucket is agreed every rank posts its transfers of it, and
     every posted transfer is waited for, on the error paths too."""
     comm = _comm_device()
     entries = plan._entries
@@ -156,18 +183,18 @@ def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, re
              for r in range(world)]
     direct = [[[is_direct(s, d, lay.quantized) for s, d in parts[r][i]] for i, (_, lay) in enumerate(entries)]
               for r in range(world)]
-    full_sizes = [nbytes(lay.shape, plan.out_dtype(f, lay)) for f, lay in entries]
+    extra = [_extra_bytes(plan, i, direct, world, comm) for i in range(len(entries))]
     flight = InFlight()  # the previous bucket's transfers
     held: tuple[list[int], list[torch.Tensor]] | None = None  # a receiver: the previous bucket
     try:
-        for bucket in buckets(full_sizes, bucket_bytes):
+        for bucket in buckets(extra, bucket_bytes):
             msgs: dict[int, list[torch.Tensor]] = {}
-            out: list[tuple[str, torch.Tensor]] = []
+            own: list[tuple[str, Any, list[torch.Tensor]]] = []
             if status.error is None:
                 try:
                     if rank == 0:
-                        msgs, out = _scatter_pack(plan, bucket, source, parts, direct, world, comm, device,
-                                                  release, status)
+                        msgs, own = _scatter_pack(plan, bucket, source, parts, direct, world, comm, release,
+                                                  status)
                     else:
                         msgs = {rank: _scatter_recv_buffers(bucket, parts[rank], direct[rank], comm)}
                 except Exception as exc:  # noqa: BLE001 - agreed just below
@@ -185,11 +212,11 @@ def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, re
                     flight.wait()  # bucket k-1 has arrived (bucket k's receives are already posted)
                     flight = posted
             if rank == 0:
-                yield from hand_over(out, status)
+                yield from _scatter_own(own, device, status)  # while the bucket is on the wire
             elif held is not None:
                 yield from _scatter_hand_over(plan, *held, parts[rank], direct[rank], device, status)
             held = (bucket, msgs.get(rank, [])) if rank != 0 else None
-            del msgs, out
+            del msgs, own
         with comm_errors(status.what):
             flight.wait()
         status.agree()  # the last bucket's unpacking (a receiver's) is agreed before it is yielded
@@ -198,6 +225,23 @@ def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, re
         status.agree()
     finally:
         flight.drain_quietly()
+
+
+def _scatter_own(own: list[tuple[str, Any, list[torch.Tensor]]], device: torch.device, status: Status,
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Rank 0: copy its own pieces of a bucket into fresh memory on ``device`` and yield them (a
+    failure is recorded, yields nothing more, and is agreed at the next boundary)."""
+    if status.error is not None:
+        return
+    out = []
+    for fqn, lay, pieces in own:
+        try:
+            mine = [torch.empty(p.shape, dtype=p.dtype, device=device).copy_(p) for p in pieces]
+            out.append((fqn, lay.wrap(lay.assemble(mine))))
+        except Exception as exc:  # noqa: BLE001 - agreed at the next boundary
+            status.fail(exc, f"copying its own piece of {fqn!r}")
+            return
+    yield from hand_over(out, status)
 
 
 def _scatter_hand_over(plan: LoadPlan, bucket: list[int], received: list[torch.Tensor], parts: list[Any],
@@ -225,18 +269,18 @@ def _scatter_recv_buffers(bucket: list[int], parts: list[Any], direct: list[list
 
 
 def _scatter_pack(plan: LoadPlan, bucket: list[int], source: Source, parts: list[list[Any]],
-                  direct: list[list[list[bool]]], world: int, comm: torch.device, device: torch.device,
-                  release: bool, status: Status,
-                  ) -> tuple[dict[int, list[torch.Tensor]], list[tuple[str, torch.Tensor]]]:
+                  direct: list[list[list[bool]]], world: int, comm: torch.device, release: bool,
+                  status: Status,
+                  ) -> tuple[dict[int, list[torch.Tensor]], list[tuple[str, Any, list[torch.Tensor]]]]:
     """Rank 0: read a bucket; every other rank's messages (its small pieces packed into one flat
-    buffer, then each large piece as it is: a view of the full tensor when contiguous there); its
-    own pieces kept as outputs."""
+    buffer, then each large piece as it is: a view of the full tensor when contiguous there), and
+    its own pieces as cut (copied by :func:`_scatter_own` once the messages are on the wire)."""
     sizes = [packed_size([p for i in bucket for p, d in zip(parts[r][i], direct[r][i]) if not d])
              for r in range(world)]
     bufs = {r: torch.empty(sizes[r], dtype=torch.uint8, device=comm) for r in range(1, world) if sizes[r]}
     offs = dict.fromkeys(bufs, 0)
     alone: dict[int, list[torch.Tensor]] = {r: [] for r in range(1, world)}
-    out = []
+    own = []
     for i in bucket:
         fqn, lay = plan._entries[i]
         try:
@@ -246,8 +290,7 @@ def _scatter_pack(plan: LoadPlan, bucket: list[int], source: Source, parts: list
             raise
         if release:
             source.release(fqn)
-        own = [torch.empty(p.shape, dtype=p.dtype, device=device).copy_(p) for p in pieces[0]]
-        out.append((fqn, lay.wrap(lay.assemble(own))))
+        own.append((fqn, lay, pieces[0]))
         for r in range(1, world):
             for piece, d in zip(pieces[r], direct[r][i]):
                 if d:  # zero-copy when the piece is a contiguous view of the full tensor
@@ -256,7 +299,7 @@ def _scatter_pack(plan: LoadPlan, bucket: list[int], source: Source, parts: list
                     offs[r] = pack(bufs[r], offs[r], piece)
         del pieces
     msgs = {r: ([bufs[r]] if r in bufs else []) + alone[r] for r in range(1, world)}
-    return {r: m for r, m in msgs.items() if m}, out
+    return {r: m for r, m in msgs.items() if m}, own
 
 
 def _scatter_unpack(plan: LoadPlan, bucket: list[int], parts: list[Any], direct: list[list[bool]],

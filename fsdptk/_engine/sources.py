@@ -16,7 +16,7 @@ safetensors reader's own :class:`fsdptk._safetensors_io.SliceSource`, which owns
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -27,10 +27,17 @@ from fsdptk._engine.layouts import Box, extract
 
 @dataclass(frozen=True)
 class TensorMeta:
-    """Shape and dtype of a source tensor, as agreed on every rank."""
+    """Shape and dtype of a source tensor, as agreed on every rank.
+
+    ``held_on`` is the device type where the source already holds the whole tensor, contiguous, in
+    memory (a plain ``dict`` of tensors), so that reading it allocates nothing; ``None`` for a lazy
+    source (a file) or when unknown. It only sizes buckets (memory a read would add), so it does
+    not take part in comparisons between ranks.
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    held_on: str | None = field(default=None, compare=False)
 
 
 class SourceProblem(Exception):
@@ -74,7 +81,10 @@ class MappingSource:
             raise SourceProblem("TypeError", f"{key!r}: the source holds a DTensor; expected a full (plain) tensor")
         if not isinstance(value, torch.Tensor):
             raise SourceProblem("TypeError", f"{key!r}: expected a tensor, got {type(value).__name__} ({value!r:.60})")
-        return TensorMeta(tuple(value.shape), value.dtype)
+        # a plain dict holds its values: reading one allocates nothing (any other Mapping may
+        # build the value on access, e.g. from a file, so it is not assumed to hold it)
+        holds = type(self.mapping).__getitem__ is dict.__getitem__ and value.is_contiguous()
+        return TensorMeta(tuple(value.shape), value.dtype, value.device.type if holds and not value.is_meta else None)
 
     def read(self, key: str, box: Box | None = None) -> torch.Tensor:
         full = self.mapping[key]
