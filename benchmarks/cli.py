@@ -31,6 +31,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -58,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="only these methods (e.g. fsdptk dcp); default: all of each scenario")
     p.add_argument("--no-limits", dest="limits", action="store_false", help="skip the physical-limit run")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--work-dir", default="/tmp/fsdptk-bench", help="checkpoints and per-run logs")
+    p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "fsdptk-bench"),
+                   help="checkpoints and per-run logs (default: fsdptk-bench in the system's temporary directory)")
     p.add_argument("--json", default=None, help="write all results here (default: <work-dir>/results.json)")
     p.add_argument("--from-json", nargs="+", default=None,
                    help="do not run: load results from these files (several are merged, e.g. a main run and a scaling run)")
@@ -242,6 +244,14 @@ def _progress(rec: dict, t0: float) -> None:
           f"{rec['scenario']:<12} {rec['method']:<22} {what}{check}{err}", flush=True)
 
 
+def _shown(path: str) -> str:
+    """``path`` as the docs show it: relative to the repository when inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def _versions(python: str) -> dict:
     code = ("import importlib.metadata as m, json\nout={}\n"
             "for n in ('torch','fsdptk','torchtune','torchao','accelerate','safetensors'):\n"
@@ -260,8 +270,8 @@ def _environment(args: argparse.Namespace, seconds: float) -> dict:
     pythons = {sys.executable} | ({args.peers_python} if Path(args.peers_python).exists() else set())
     return {
         "command": "python -m benchmarks " + " ".join(sys.argv[1:]),
-        "python": sys.executable,
-        "versions": {py: _versions(py) for py in sorted(pythons)},
+        "python": _shown(sys.executable),
+        "versions": {_shown(py): _versions(py) for py in sorted(pythons)},
         "cpus": os.cpu_count(), "mem_total_GB": _mem_total() / 1e9, "loadavg_end": load,
         "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "seconds": seconds, "quick": args.quick, "dtype": args.dtype, "device": args.device,
@@ -308,18 +318,21 @@ def main(argv: list[str] | None = None) -> int:
     args.worlds = args.worlds or [4, 2]
     if args.from_json:
         results = merge_results([json.loads(Path(f).read_text()) for f in args.from_json])
+        sources = list(args.from_json)
     else:
         results = run_suite(args)
         path = Path(args.json or Path(args.work_dir) / "results.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1))
         print(f"[bench] results: {path}", flush=True)
+        sources = [str(path)]
     print(render_tables(results))
     if args.write_docs and args.device == "cuda":
         for p in write_gpu_section(results, Path(args.docs)):
             print(f"[bench] wrote the GPU section of {p}")
     elif args.write_docs:
         notes = Path(args.notes).read_text() if args.notes else ""
-        for p in write_docs(results, Path(args.docs), notes=notes):
+        for p in write_docs(results, Path(args.docs), notes=notes, sources=[_shown(f) for f in sources],
+                            notes_file=_shown(args.notes) if args.notes else None):
             print(f"[bench] wrote {p}")
     return 0

@@ -293,7 +293,8 @@ def _load(avg) -> str:
     return "-" if not avg else " / ".join(f"{x:.1f}" for x in avg)
 
 
-def write_docs(results: dict, page: Path, *, notes: str = "") -> list[Path]:
+def write_docs(results: dict, page: Path, *, notes: str = "", sources: list[str] | None = None,
+               notes_file: str | None = None) -> list[Path]:
     """Write the results page and its plots (into ``<page dir>/img``)."""
     metas = results.get("meta", {})
     metas = metas if isinstance(metas, list) else [metas]
@@ -308,10 +309,9 @@ def write_docs(results: dict, page: Path, *, notes: str = "") -> list[Path]:
         "## How it was produced\n",
         "```\nbash benchmarks/setup_peers.sh\n" + "\n".join(f".venv-peers/bin/{m.get('command')}" for m in metas)
         + "\n```\n",
-        "The raw results are in `benchmarks/results/` (`main_noopt.json` is `main.json` without its optimizer "
-        "rows, see Notes). To re-render this page from them: `.venv-peers/bin/python -m benchmarks --from-json "
-        "benchmarks/results/main_noopt.json benchmarks/results/optim.json benchmarks/results/scaling.json "
-        "benchmarks/results/scaling2.json --write-docs --notes benchmarks/NOTES.md`\n",
+        ("The raw results: " + ", ".join(f"`{f}`" for f in sources) + ". To re-render this page from them: "
+         "`.venv-peers/bin/python -m benchmarks --from-json " + " ".join(sources) + " --write-docs"
+         + (f" --notes {notes_file}" if notes_file else "") + "`\n") if sources else "",
     ]
     for m in metas:
         vers = "; ".join(f"`{py}`: " + ", ".join(f"{k} {v}" for k, v in sorted(d.items()) if v)

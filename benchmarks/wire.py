@@ -6,10 +6,19 @@ its shard bytes (what a perfect scatter would move, with no pack, no unpack, no 
 gather, each rank sends rank 0 one buffer of its shard bytes. Beside them run fsdptk
 (``load_from_full_model_state_dict(broadcast_from_rank0=True)``, ``gather_cpu_state_dict``) and
 PyTorch DCP (``set_model_state_dict`` / ``get_model_state_dict`` with ``full_state_dict=True``) on
-the same FSDP2 model. Two models: ``large`` (24 tensors of 2048 x 2048 fp32: 0.4 GB) and ``small``
-(200 tensors of 128 x 128 fp32: 64 KB each, where fixed costs dominate). Each (model, method) is
-timed ``--repeats`` times, interleaved, between barriers; the table shows the minimum and the
-ratios fsdptk / raw and fsdptk / DCP, with the load average of the machine at the start and end.
+the same FSDP2 model. Three models: ``large`` (24 tensors of 2048 x 2048 fp32: 0.4 GB), ``xl``
+(64 of them: 1.07 GB) and ``small`` (200 tensors of 128 x 128 fp32: 64 KB each, where fixed costs
+dominate). Each (model, method) is timed ``--repeats`` times, interleaved, between barriers; the
+table shows the minimum and the ratios fsdptk / raw and fsdptk / DCP, with the load average of the
+machine at the start and end.
+
+A second limit, ``raw_new``, moves the same bytes, one message per tensor, into NEW memory (a
+load's receivers allocate one tensor per shard and rank 0 copies its own shards into new memory; a
+gather's rank 0 allocates the full tensors, receives straight into them and places its own
+shards): that is the least work a
+load that builds new tensors (fsdptk assigns new parameters, as torchtune does, and leaves the
+model untouched when anything fails) or a gather that returns new full tensors must do. The table
+shows fsdptk against both.
 
 Example::
 
@@ -30,8 +39,9 @@ from torch import nn
 
 __all__ = ["main", "MODELS"]
 
-MODELS = {"large": (24, 2048, 2048), "small": (200, 128, 128)}  # (tensors, rows, cols), fp32
-METHODS = ["raw_load", "fsdptk_load", "dcp_load", "raw_gather", "fsdptk_gather", "dcp_gather"]
+MODELS = {"large": (24, 2048, 2048), "xl": (64, 2048, 2048), "small": (200, 128, 128)}  # (tensors, rows, cols), fp32
+METHODS = ["raw_load", "raw_new_load", "fsdptk_load", "dcp_load",
+           "raw_gather", "raw_new_gather", "fsdptk_gather", "dcp_gather"]
 
 
 def _model(n: int, rows: int, cols: int) -> nn.Module:
@@ -93,6 +103,35 @@ def _worker(rank: int, world: int, port: int, names: list[str], repeats: int, q)
             else:
                 dist.send(bufs[rank], dst=0)
 
+        own_flat = [s.reshape(-1) for s in shards]  # this rank's shards (rank 0's are placed by a gather)
+        sizes = [s.numel() for s in shards]
+
+        def raw_new_load() -> None:  # per tensor, each piece sent from a view into new memory
+            if rank == 0:
+                fl = [full[f"{i}.weight"].reshape(-1) for i in range(n)]
+                works = [dist.isend(f[r * k:(r + 1) * k], dst=r) for r in range(1, world) for f, k in zip(fl, sizes)]
+                own = [torch.empty(k).copy_(f[:k]) for f, k in zip(fl, sizes)]
+                for w in works:
+                    w.wait()
+                assert len(own) == n
+            else:
+                fresh = [torch.empty(k) for k in sizes]
+                for w in [dist.irecv(f, src=0) for f in fresh]:
+                    w.wait()
+
+        def raw_new_gather() -> None:  # per tensor, received straight into new full tensors
+            if rank == 0:
+                fulls = [torch.empty(rows * cols) for _ in range(n)]
+                works = [dist.irecv(f[r * k:(r + 1) * k], src=r) for r in range(1, world) for f, k in zip(fulls, sizes)]
+                for f, s in zip(fulls, own_flat):
+                    f[: s.numel()].copy_(s)
+                for w in works:
+                    w.wait()
+                del fulls
+            else:
+                for w in [dist.isend(s, dst=0) for s in own_flat]:
+                    w.wait()
+
         def fsdptk_load() -> None:
             load_from_full_model_state_dict(model, dict(full), "cpu", broadcast_from_rank0=True)
 
@@ -106,8 +145,9 @@ def _worker(rank: int, world: int, port: int, names: list[str], repeats: int, q)
         def dcp_gather() -> None:
             get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
-        fns = {"raw_load": raw_load, "fsdptk_load": fsdptk_load, "dcp_load": dcp_load,
-               "raw_gather": raw_gather, "fsdptk_gather": fsdptk_gather, "dcp_gather": dcp_gather}
+        fns = {"raw_load": raw_load, "raw_new_load": raw_new_load, "fsdptk_load": fsdptk_load, "dcp_load": dcp_load,
+               "raw_gather": raw_gather, "raw_new_gather": raw_new_gather, "fsdptk_gather": fsdptk_gather,
+               "dcp_gather": dcp_gather}
         for fn in fns.values():  # warm-up (first-call costs are not what is compared)
             fn()
         for _ in range(repeats):
@@ -148,16 +188,16 @@ def main(argv: list[str] | None = None) -> int:
         res = run(world, args.models, args.repeats)
         after = _load()
         print(f"\n## {world} ranks, min of {args.repeats} (load average before: {before}; after: {after})")
-        print("| model | raw load s | fsdptk load s | dcp load s | load/raw | load/dcp "
-              "| raw gather s | fsdptk gather s | dcp gather s | gather/raw | gather/dcp |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for name in args.models:
-            t = {m: min(res[(name, m)]) for m in METHODS}
-            n, rows, cols = MODELS[name]
-            label = f"{name} ({n} x {rows}x{cols} fp32, {n * rows * cols * 4 / 1e9:.3f} GB)"
-            print(f"| {label} | {t['raw_load']:.4f} | {t['fsdptk_load']:.4f} | {t['dcp_load']:.4f} "
-                  f"| {t['fsdptk_load'] / t['raw_load']:.2f} | {t['fsdptk_load'] / t['dcp_load']:.2f} "
-                  f"| {t['raw_gather']:.4f} | {t['fsdptk_gather']:.4f} | {t['dcp_gather']:.4f} "
-                  f"| {t['fsdptk_gather'] / t['raw_gather']:.2f} | {t['fsdptk_gather'] / t['dcp_gather']:.2f} |",
-                  flush=True)
+        for op in ("load", "gather"):
+            print(f"\n{op} (seconds; ratios are fsdptk / the column named)")
+            print("| model | raw | raw into new memory | fsdptk | DCP | / raw | / raw new | / DCP |")
+            print("|---|---|---|---|---|---|---|---|")
+            for name in args.models:
+                t = {m: min(res[(name, m)]) for m in METHODS}
+                n, rows, cols = MODELS[name]
+                label = f"{name} ({n} x {rows}x{cols} fp32, {n * rows * cols * 4 / 1e9:.2f} GB)"
+                f = t[f"fsdptk_{op}"]
+                print(f"| {label} | {t[f'raw_{op}']:.4f} | {t[f'raw_new_{op}']:.4f} | {f:.4f} | {t[f'dcp_{op}']:.4f} "
+                      f"| {f / t[f'raw_{op}']:.2f} | {f / t[f'raw_new_{op}']:.2f} | {f / t[f'dcp_{op}']:.2f} |",
+                      flush=True)
     return 0

@@ -12,7 +12,7 @@ from typing import Any, Union
 import torch
 from torch import nn
 
-from fsdptk._dist import world
+from fsdptk._dist import is_rank0
 
 Rename = Union[Callable[[str], "str | None"], Mapping[str, str], None]
 
@@ -103,7 +103,6 @@ def progress_bar(total: int, desc: str, enabled: bool | None) -> Any:
     """A tqdm byte counter on rank 0 (``enabled=None``: only when stderr is a terminal)."""
     from tqdm.auto import tqdm
 
-    _, rank = world()
-    on = rank == 0 and (sys.stderr.isatty() if enabled is None else bool(enabled))
+    on = is_rank0() and (sys.stderr.isatty() if enabled is None else bool(enabled))
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
                 disable=not on, file=sys.stderr, dynamic_ncols=True, leave=False)

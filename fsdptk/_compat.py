@@ -14,8 +14,10 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.nn.modules.module import _IncompatibleKeys
 
 __all__ = [
+    "IncompatibleKeys",
     "StridedShard",
     "get_shard_size_and_offsets",
     "local_tensor",
@@ -24,8 +26,11 @@ __all__ = [
     "composable_registry",
     "checkpoint_wrapper_api",
     "clear_dtensor_caches",
+    "dcp_set_element",
 ]
 
+# what nn.Module.load_state_dict returns: (missing_keys, unexpected_keys); the loads return it too
+IncompatibleKeys = _IncompatibleKeys
 # FSDP2-over-TP placement (a Shard whose pieces interleave); see DTensor's placement_types
 StridedShard = _StridedShard
 # DTensor's own placement math: (local size, global indices) of one mesh coordinate's shard
@@ -73,6 +78,13 @@ def checkpoint_wrapper_api() -> tuple[type, Any]:
     )
 
     return CheckpointWrapper, checkpoint_wrapper
+
+
+def dcp_set_element() -> Any:
+    """DCP's ``set_element(root, path, value)``: put a value at a flattened state-dict path."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    return set_element
 
 
 def clear_dtensor_caches() -> None:

@@ -17,9 +17,14 @@ import torch
 import torch.distributed as dist
 
 
+def has_process_group() -> bool:
+    """Whether the default process group is initialised (False where torch.distributed is absent)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def world() -> tuple[int, int]:
     """``(world_size, rank)`` of the default process group, ``(1, 0)`` without one."""
-    if dist.is_available() and dist.is_initialized():
+    if has_process_group():
         return dist.get_world_size(), dist.get_rank()
     return 1, 0
 

@@ -53,6 +53,7 @@ from fsdptk._hf_tp_styles import (
     RowwiseKeepTied,
     _KeepTied,
 )
+from fsdptk._names import param_owners
 from fsdptk.tp_plan import GatherSequence, ReplicatedKVColwise
 
 __all__ = ["hf_tp_plan", "ColwiseKeepTied", "RowwiseKeepTied", "HFAttentionHeads",
@@ -158,11 +159,7 @@ def _tie(model: nn.Module, strings: Mapping[str, str],
          styles: Mapping[str, ParallelStyle | None]) -> None:
     """A Parameter shared by several modules (tied embeddings) must be placed the same way by all
     of them; their styles are told of each other so that it stays one Parameter."""
-    owners: dict[int, list[tuple[str, str, nn.Module]]] = {}
-    for fqn, module in model.named_modules(remove_duplicate=False):
-        for pname, param in module.named_parameters(recurse=False):
-            owners.setdefault(id(param), []).append((fqn, pname, module))
-    for group in owners.values():
+    for _, group in param_owners(model, remove_duplicate=False):
         if len(group) < 2:
             continue
         where = [(f"{f}.{n}" if f else n, strings.get(f), _placement(styles.get(f), m, n))

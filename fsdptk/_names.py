@@ -7,6 +7,9 @@
 - :func:`tensor_groups`: a model's persistent state, one entry per tensor object (tied parameters
   share one), in ``state_dict()`` order: the canonical key is the first, the others are aliases.
   Model state, optimizer state and checkpoint files use this one computation.
+- :func:`param_owners`: the same grouping seen from the modules: each parameter object with every
+  ``(module, attribute)`` that registers it. The sharding planner and the HF tensor-parallel plan
+  keep tied parameters together by it.
 """
 
 from __future__ import annotations
@@ -71,3 +74,34 @@ def tie_groups(model: nn.Module) -> list[list[str]]:
         list[list[str]]: each tied tensor's keys, canonical key first.
     """
     return [keys for _, keys in tensor_groups(model) if len(keys) > 1]
+
+
+def param_owners(model: nn.Module, *, remove_duplicate: bool = True,
+                 ) -> list[tuple[nn.Parameter, list[tuple[str, str, nn.Module]]]]:
+    """Every parameter object with the modules that register it, in registration order.
+
+    A tied parameter (one object registered by several modules, or under several attributes) has
+    several owners; every other parameter has one.
+
+    Args:
+        model: any module.
+        remove_duplicate: as ``named_modules``'s: ``False`` lists a module registered under several
+            names once per name.
+
+    Returns:
+        list: ``(parameter, [(module fqn, attribute, module), ...])``, one entry per parameter
+        object; the FQNs are raw (pass them through :func:`clean_fqn` for the user's names).
+
+    Example:
+        >>> import torch
+        >>> m = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+        >>> m.b.weight = m.a.weight
+        >>> [[f"{fqn}.{attr}" for fqn, attr, _ in owners] for _, owners in param_owners(m)]
+        [['a.weight', 'b.weight'], ['a.bias'], ['b.bias']]
+    """
+    groups: dict[int, tuple[nn.Parameter, list[tuple[str, str, nn.Module]]]] = {}
+    for fqn, module in model.named_modules(remove_duplicate=remove_duplicate):
+        for attr, p in module._parameters.items():
+            if p is not None:
+                groups.setdefault(id(p), (p, []))[1].append((fqn, attr, module))
+    return list(groups.values())

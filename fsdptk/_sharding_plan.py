@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdptk._names import clean_fqn
+from fsdptk._names import clean_fqn, param_owners
 from fsdptk.predicates import ShardCondition, describe_predicate
 
 __all__ = ["ShardingPlan", "UnitPlan", "describe_sharding"]
@@ -161,15 +161,25 @@ def _as_conditions(shard_conditions: Any) -> list[ShardCondition]:
     return conds
 
 
-def _check_model(model: Any) -> None:
+def check_unsharded(model: Any, remedy: str) -> None:
+    """TypeError unless ``model`` is an ``nn.Module``; ValueError naming its first FSDPModule.
+
+    Args:
+        model: the model to shard or to checkpoint.
+        remedy: the end of the ValueError's message (``"shard a model once"``).
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     for name, m in model.named_modules():
         if isinstance(m, FSDPModule):
             raise ValueError(
                 f"the model is already sharded: module {clean_fqn(name) or '<root>'!r} "
-                f"({type(m).__name__}) is an FSDPModule; shard a model once"
+                f"({type(m).__name__}) is an FSDPModule; {remedy}"
             )
+
+
+def _check_model(model: Any) -> None:
+    check_unsharded(model, "shard a model once")
     scalars = [n for n, p in model.named_parameters() if p.dim() == 0]
     if scalars:
         raise ValueError(
@@ -242,12 +252,9 @@ class _Planner:
         self.index: dict[str, int] = {}
         self.owners: dict[int, list[tuple[str, str]]] = {}  # id(param) -> [(clean mod, attr)]
         self.param: dict[int, nn.Parameter] = {}
-        for raw, m in model.named_modules():
-            c = clean_fqn(raw)
-            for attr, p in m._parameters.items():
-                if p is not None:
-                    self.owners.setdefault(id(p), []).append((c, attr))
-                    self.param[id(p)] = p
+        for p, owners in param_owners(model):
+            self.owners[id(p)] = [(clean_fqn(raw), attr) for raw, attr, _ in owners]
+            self.param[id(p)] = p
         self.outer, self.inner, self.rule = match_modules(model, conditions, "shard",
                                                           "nothing was sharded")
         self.index = {c: i for i, c in enumerate(self.outer)}

@@ -24,8 +24,7 @@ from torch import nn
 
 from fsdptk._compat import checkpoint_wrapper_api, composable_checkpoint, composable_registry
 from fsdptk._dist import log_rank0
-from fsdptk._names import clean_fqn
-from fsdptk._sharding_plan import _as_conditions, _is_ancestor, match_modules
+from fsdptk._sharding_plan import _as_conditions, _is_ancestor, check_unsharded, match_modules
 from fsdptk.predicates import ShardCondition, describe_predicate
 
 __all__ = ["apply_activation_checkpointing"]
@@ -88,19 +87,10 @@ def apply_activation_checkpointing(
         >>> sorted(model.state_dict())[:2]  # FQNs unchanged in composable mode
         ['layers.0.bias', 'layers.0.weight']
     """
-    from torch.distributed.fsdp import FSDPModule
-
     if mode not in ("composable", "wrapper"):
         raise ValueError(f"mode must be 'composable' or 'wrapper', got {mode!r}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    check_unsharded(model, "apply activation checkpointing before shard_model")
     conditions = _as_conditions(condition)
-    for name, m in model.named_modules():
-        if isinstance(m, FSDPModule):
-            raise ValueError(
-                f"apply activation checkpointing before shard_model: module "
-                f"{clean_fqn(name) or '<root>'!r} is already an FSDPModule"
-            )
     found = _matches(model, conditions)
     if not found:
         tried = ", ".join(describe_predicate(c) for c in conditions)

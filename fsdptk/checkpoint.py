@@ -6,7 +6,7 @@
   otherwise (rank 0 reads, the engine scatters each rank its bytes in buckets).
 - :func:`save_safetensors`: gathers the model bucket by bucket to rank 0, which writes every tensor
   straight to its place in its shard file, so rank 0 holds at most one bucket beyond its own shards.
-  Atomic (see :mod:`fsdptk._safetensors_writer`); tied weights stored once by default (HF).
+  Atomic (see :mod:`fsdptk._files.safetensors_writer`); tied weights stored once by default (HF).
 - :class:`SafetensorsCheckpoint`: the lazy read-only Mapping underneath (``full_sd`` for
   ``load_from_full_model_state_dict``).
 - DCP for resuming and offline converters: :mod:`fsdptk.dcp` (re-exported here).
@@ -26,19 +26,18 @@ import torch
 from torch import nn
 
 from fsdptk._checkpoint_common import Rename, infer_device, progress_bar, rename_keys, trim_heap
-from fsdptk._dist import all_gather_object, raise_if_any, run_agreed
-from fsdptk._dist import world as _world
+from fsdptk._dist import all_gather_object, is_rank0, raise_if_any, run_agreed
 from fsdptk._engine import bucket_size
 from fsdptk._names import tie_groups
 from fsdptk._files.lock import CheckpointLockedError
-from fsdptk._safetensors_io import (
+from fsdptk._files.safetensors_io import (
     INDEX_SUFFIX,
     CheckpointError,
     SafetensorsCheckpoint,
     SliceSource,
     parse_size,
 )
-from fsdptk._safetensors_writer import ShardedWriter, plan_shards
+from fsdptk._files.safetensors_writer import ShardedWriter, plan_shards
 from fsdptk.dcp import (
     convert_dcp_to_safetensors,
     convert_safetensors_to_dcp,
@@ -122,9 +121,9 @@ def _open_agreed(path: Path, shard_on_read: bool | None) -> tuple[SafetensorsChe
     rank-0-read when rank 0 can; an error is raised on every rank only when rank 0 cannot read it
     or an explicit ``shard_on_read=True`` rank cannot.
     """
-    _, rank = _world()
+    rank0 = is_rank0()
     ckpt, error = None, None
-    if shard_on_read is not False or rank == 0:
+    if shard_on_read is not False or rank0:
         try:
             ckpt = SafetensorsCheckpoint(path)
         except Exception as e:  # noqa: BLE001 - agreed below
@@ -139,9 +138,9 @@ def _open_agreed(path: Path, shard_on_read: bool | None) -> tuple[SafetensorsChe
     if shard_on_read is None:
         shard_on_read = all(ok for _, ok in views)
         if not shard_on_read and views[0][1]:  # rank 0 reads and scatters; the others need nothing
-            if rank != 0 and ckpt is not None:
+            if not rank0 and ckpt is not None:
                 ckpt.close()
-            return (ckpt if rank == 0 else None), False
+            return (ckpt if rank0 else None), False
     raise_if_any(error)
     return ckpt, shard_on_read
 
@@ -363,7 +362,6 @@ def save_safetensors(
     items, out_name, dtypes = _save_items(model, tied, rename, dtype)
     entries = [(out_name[k], dtypes[k], tuple(t.shape)) for k, t in items]
     files = plan_shards(entries, limit)  # validates dtypes on every rank
-    _, rank = _world()
 
     def open_writer() -> tuple[ShardedWriter, Any]:
         from fsdptk.hf import _stage_hf_config
@@ -378,7 +376,7 @@ def save_safetensors(
             w.after_commit(staged.commit)
         return w, staged
 
-    writer, config = run_agreed(open_writer, on=rank == 0) or (None, None)
+    writer, config = run_agreed(open_writer, on=is_rank0()) or (None, None)
     try:
         error, result = _stream(collect(items, **bucket), writer, out_name, dtypes,
                                 progress_bar(writer.total_size if writer else 0, f"save {path.name}",

@@ -29,6 +29,7 @@ import argparse
 import fnmatch
 import importlib
 import json
+import math
 import os
 import stat
 import subprocess
@@ -54,13 +55,6 @@ class TensorInfo(dict):
 
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _regular(path: Path) -> int:
@@ -92,12 +86,12 @@ def _header_entry(key: str, meta: Any, data_len: int) -> TensorInfo:
     if offsets[1] > data_len:
         raise ValueError(f"entry {key!r} ends at data offset {offsets[1]} but the file holds only "
                          f"{data_len} data bytes (truncated?)")
-    from fsdptk._safetensors_io import _ST_TO_DTYPE  # the reader's dtype table
+    from fsdptk._files.safetensors_io import _ST_TO_DTYPE  # the reader's dtype table
 
     dtype = _ST_TO_DTYPE.get(code)
-    if dtype is not None and nbytes != _numel(shape) * dtype.itemsize:
+    if dtype is not None and nbytes != math.prod(shape) * dtype.itemsize:
         raise ValueError(f"entry {key!r}: {nbytes} data bytes for shape {shape} of {code} "
-                         f"({_numel(shape) * dtype.itemsize} expected)")
+                         f"({math.prod(shape) * dtype.itemsize} expected)")
     return TensorInfo(key=key, dtype=_dtype_name(dtype) if dtype is not None else code, shape=shape,
                       nbytes=nbytes)
 
@@ -142,7 +136,7 @@ def _inspect_dcp(directory: Path) -> list[TensorInfo]:
                 raise TypeError(f"a {type(md).__name__}")
             dtype = md.properties.dtype
             shape = [int(d) for d in md.size]
-            nbytes = _numel(shape) * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
         except (AttributeError, TypeError, ValueError) as e:
             raise CLIError(f"{directory}/.metadata: entry {key!r} is not tensor metadata ({e})") from e
         out.append(TensorInfo(key=key, dtype=_dtype_name(dtype), shape=shape, nbytes=nbytes))
@@ -179,7 +173,7 @@ def _safetensors_files(path: Path) -> list[Path]:
     """The files a safetensors checkpoint path reads, as the loader resolves them (the single
     ``model.safetensors`` before an index; index entries must be plain names)."""
     from fsdptk._files.paths import plain_name
-    from fsdptk._safetensors_io import _resolve
+    from fsdptk._files.safetensors_io import _resolve
 
     try:
         index, files = _resolve(path)
@@ -262,7 +256,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for i in infos:
         shape = "(" + ", ".join(map(str, i["shape"])) + ")"
         print(f"{i['key']:<{width}}  {i['dtype']:<9}  {shape:<18}  {_human(i['nbytes'])}")
-    numel = sum(_numel(i["shape"]) for i in infos if i["dtype"] != "object")
+    numel = sum(math.prod(i["shape"]) for i in infos if i["dtype"] != "object")
     print(f"total: {len(infos)} tensors, {numel:,} elements, {_human(total)} ({total:,} bytes)")
     return 0
 

@@ -33,14 +33,14 @@ import torch
 from torch import nn
 
 from fsdptk._checkpoint_common import progress_bar, trim_heap
-from fsdptk._dist import run_agreed
+from fsdptk._dist import all_gather_object, has_process_group, is_rank0, run_agreed
 from fsdptk._dist import world as _world
 from fsdptk._files.commit import dcp_backup, dcp_names, recover_dcp, swap_in_dcp
 from fsdptk._files.lock import DirectoryLock
 from fsdptk._files.paths import check_disjoint
 from fsdptk._files.safe_pickle import safe_load_planner, safe_reader
-from fsdptk._safetensors_io import CheckpointError, SafetensorsCheckpoint, parse_size
-from fsdptk._safetensors_writer import ShardedWriter
+from fsdptk._files.safetensors_io import CheckpointError, SafetensorsCheckpoint, parse_size
+from fsdptk._files.safetensors_writer import ShardedWriter
 from fsdptk.errors import StateDictMismatchError
 
 __all__ = [
@@ -102,10 +102,7 @@ class _Staging:
 
 def _begin_staging(path: Path) -> tuple[_Staging | None, Path]:
     """Every rank: rank 0 takes the lock and stages; all agree on errors and on the staging name."""
-    from fsdptk._dist import all_gather_object
-
-    rank = _world()[1]
-    staging: _Staging | None = run_agreed(lambda: _Staging(path), on=rank == 0)
+    staging: _Staging | None = run_agreed(lambda: _Staging(path), on=is_rank0())
     return staging, Path(all_gather_object(str(staging.stage) if staging else None)[0])
 
 
@@ -155,13 +152,7 @@ def _extra_blob(extra: Any) -> io.BytesIO:
 
 
 def _dist_kwargs() -> dict[str, Any]:
-    return {"no_dist": not _pg_initialised()}
-
-
-def _pg_initialised() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
+    return {"no_dist": not has_process_group()}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,11 +21,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdptk._dist import log_rank0
-from fsdptk.runtime import get_world_size_and_rank
+from fsdptk._dist import has_process_group, log_rank0, world
 
 __all__ = ["ParallelDims"]
 
@@ -87,7 +85,7 @@ class ParallelDims:
         _check_degree("dp_shard", self.dp_shard, allow_infer=True)
         _check_degree("tp", self.tp, allow_infer=False)
         if self.world_size is None:
-            self.world_size = get_world_size_and_rank()[0]
+            self.world_size = world()[0]
         _check_degree("world_size", self.world_size, allow_infer=False)
         degrees = (
             f"dp_replicate ({self.dp_replicate}) * dp_shard ({self.dp_shard}) * tp ({self.tp})"
@@ -161,12 +159,12 @@ class ParallelDims:
                     f"not {device_type!r}"
                 )
             return self._mesh
-        if not (dist.is_available() and dist.is_initialized()):
+        if not has_process_group():
             raise RuntimeError(
                 "ParallelDims.build_mesh needs an initialised default process group: call "
                 "torch.distributed.init_process_group(...) first (torchrun sets up the environment)"
             )
-        pg_size = dist.get_world_size()
+        pg_size = world()[0]
         if pg_size != self.world_size:
             raise ValueError(
                 f"the process group has {pg_size} ranks but ParallelDims was built for world size "

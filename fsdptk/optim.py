@@ -22,13 +22,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdptk import _engine
+from fsdptk._compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._compat import local_tensor
-from fsdptk._dist import agreed, all_gather_object, check_comm_device, check_rank_zero, check_type, is_rank0
-from fsdptk._dist import world as _world
-from fsdptk._engine import bucket_size
+from fsdptk._dist import agreed, check_comm_device, check_rank_zero, check_type, is_rank0
+from fsdptk._engine import bucket_size, check_source, layout_of, merge_checks
 from fsdptk.errors import StateDictMismatchError
 from fsdptk._optim_layout import (PARAMS, PG, STATE, LoadView, StateSource, local_osd, optim_groups, param_fqns,
                                   plan_load, to_fqn_layout)
@@ -307,23 +306,63 @@ def to_fqn_optimizer_state_dict(
     return to_fqn_layout(model, osd, param_names, optim_groups(model, opt) if opt is not None else None)
 
 
-def _agree_view(view: LoadView | None, broadcast_from_rank0: bool) -> LoadView:
-    """Every rank gets the same view (rank 0's when broadcasting) or the same error."""
-    world, rank = _world()
+def _reader_view(model: nn.Module, ours: list[list[tuple[str, torch.Tensor]]], full_sd: Mapping[str, Any],
+                 param_names: Sequence[str] | None, broadcast_from_rank0: bool,
+                 ) -> tuple[LoadView, Mapping[str, Any], Any]:
+    """A reading rank's view of ``full_sd``, its saved state, and what it contributes to the agreement.
+
+    The contribution (the ``extra`` of the engine's one metadata exchange): rank 0's whole view when
+    broadcasting, else a fingerprint of this rank's view; with it the engine's verdict on each
+    state tensor shaped like its parameter (``(problems, metas)``: shape mismatches by name, and
+    each tensor's shape and dtype), found here because only reading ranks know those tensors.
+    """
+    view, saved = plan_load(model, ours, full_sd, param_names)
+    params = {fqn: p for group in ours for fqn, p in group}
+    layouts: dict[str, Any] = {}
+    entries = [(name, layouts.setdefault(fqn, layout_of(params[fqn]))) for name, fqn, _ in view.tensors]
+    checked = check_source(entries, StateSource(saved, view.tensors), False)
+    return view, saved, ((view, checked) if broadcast_from_rank0 else (view.digest(), view.problems, checked))
+
+
+def _agree_view(view: LoadView | None, extras: list[Any], broadcast_from_rank0: bool,
+                ) -> tuple[LoadView, list[Any]]:
+    """Every rank's view (rank 0's when broadcasting) or the same error, from the agreed extras.
+
+    Returns the view and the engine's verdicts on the state tensors: rank 0's alone when
+    broadcasting, else one per rank.
+    """
     if broadcast_from_rank0:
-        view = all_gather_object(view if rank == 0 else None)[0]
-        problems = view.problems
+        view, checked = extras[0]
+        problems, verdicts = list(view.problems), [checked]
     else:
-        views = all_gather_object((view.digest(), view.problems))
-        problems = list(dict.fromkeys(p for _, ps in views for p in ps))
-        differ = [r for r, (d, _) in enumerate(views) if d != views[0][0]]
+        problems = list(dict.fromkeys(p for _, ps, _ in extras for p in ps))
+        differ = [r for r, (d, _, _) in enumerate(extras) if d != extras[0][0]]
         if differ and not problems:
             problems.append(f"the full optimizer states differ between rank 0 and ranks {differ}; pass "
                             "broadcast_from_rank0=True to read rank 0's only")
+        verdicts = [checked for _, _, checked in extras]
     if problems:
         shown = "\n  - ".join(problems[:20])
         raise ValueError(f"cannot load the optimizer state: {len(problems)} problem(s):\n  - {shown}")
-    return view
+    assert view is not None  # a reading rank's own view (every rank reads when not broadcasting)
+    return view, verdicts
+
+
+def _state_plan(plan: _engine.LoadPlan, view: LoadView, verdicts: list[Any],
+                broadcast_from_rank0: bool) -> _engine.LoadPlan:
+    """The engine's plan for the state tensors, from its plan for the parameters (no collective).
+
+    The metadata exchange was over the parameters (the same targets on every rank, so that it can
+    also carry rank 0's view to ranks that do not know the state's keys yet); each state tensor
+    ``state.<fqn>.<key>`` then moves like its parameter. Its shape and dtype are the reading ranks'
+    verdicts (``verdicts``, from the engine's ``check_source``), merged by the engine's own rule.
+
+    Raises:
+        ValueError: a state tensor's shape differs from its parameter's (key and both shapes), or
+            the ranks' state tensors differ in shape or dtype; on every rank.
+    """
+    _, _, metas = merge_checks(verdicts, broadcast_from_rank0)
+    return plan.moving_like([(name, fqn) for name, fqn, _ in view.tensors], metas)
 
 
 def _check_strict(view: LoadView, aliases: Mapping[str, str]) -> None:
@@ -423,8 +462,7 @@ def load_from_full_optimizer_state_dict(
         >>> opt2.param_groups[0]["lr"], torch.equal(opt2.state[b]["exp_avg"], opt.state[b]["exp_avg"])
         (0.001, True)
     """
-    rank = _world()[1]
-    reads = rank == 0 or not broadcast_from_rank0
+    reads = is_rank0() or not broadcast_from_rank0
     with agreed():  # a bad argument or input on any rank is raised on every rank
         _check_args(model, opt)
         if reads:
@@ -432,14 +470,18 @@ def load_from_full_optimizer_state_dict(
         device = torch.device(device)
         bucket_bytes = bucket_size(bucket_bytes)
         ours = optim_groups(model, opt)
-        view, saved = plan_load(model, ours, full_sd, param_names) if reads else (None, {})
-    view = _agree_view(view, broadcast_from_rank0)
+        params = {fqn: p for group in ours for fqn, p in group}
+        view, saved, mine = (_reader_view(model, ours, full_sd, param_names, broadcast_from_rank0) if reads
+                             else (None, {}, None))
+    # ONE object exchange before any tensor moves: the engine agrees on the parameters' layouts
+    # (the same targets on every rank) and carries each reading rank's view of the state with them
+    shapes = {fqn: torch.empty(p.shape, dtype=p.dtype, device="meta") for fqn, p in params.items()}
+    plan = _engine.agree(list(params.items()), shapes, src_rank0=broadcast_from_rank0, cast=False, extra=mine)
+    view, verdicts = _agree_view(view, plan.extras or [], broadcast_from_rank0)
     if strict:
         _check_strict(view, param_fqns(model)[1])
-    params = {fqn: p for group in ours for fqn, p in group}
+    plan = _state_plan(plan, view, verdicts, broadcast_from_rank0)
     source = StateSource(saved, view.tensors)  # per-parameter dicts are the caller's (release)
-    targets = [(name, params[fqn]) for name, fqn, _ in view.tensors]
-    plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0, cast=False)
     # validation is over on every rank: from here on state moves (agreed per bucket by the engine)
     local = dict(_engine.distribute(plan, source, device=_state_device(ours, device), release=release_sd,
                                     bucket_bytes=bucket_bytes))

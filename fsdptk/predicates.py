@@ -374,6 +374,14 @@ def _check_callable(preds: tuple[Any, ...], what: str) -> None:
             raise TypeError(f"{what} expects callables (name, module) -> bool, got {p!r}")
 
 
+def _combine(preds: tuple[Any, ...], kind: Callable[..., bool], what: str) -> Predicate:
+    """``any_of`` / ``all_of``: checked, nested calls of the same kind flattened, described."""
+    _check_callable(preds, what)
+    flat = _flatten(preds, kind)
+    text = ", ".join(describe_predicate(p) for p in flat)
+    return Predicate(partial(kind, flat), f"{what}({text})", flat)
+
+
 def _flatten(preds: tuple[Any, ...], kind: Callable[..., bool]) -> tuple[Any, ...]:
     out: list[Any] = []
     for p in preds:
@@ -403,10 +411,7 @@ def any_of(*preds: ShardCondition) -> Predicate:
         >>> any_of(by_name("a"), by_name("b"))("b", nn.Identity())
         True
     """
-    _check_callable(preds, "any_of")
-    flat = _flatten(preds, _any)
-    text = ", ".join(describe_predicate(p) for p in flat)
-    return Predicate(partial(_any, flat), f"any_of({text})", flat)
+    return _combine(preds, _any, "any_of")
 
 
 def all_of(*preds: ShardCondition) -> Predicate:
@@ -427,10 +432,7 @@ def all_of(*preds: ShardCondition) -> Predicate:
         >>> all_of(layers(), by_type(nn.Linear))("layers.0", nn.Identity())
         False
     """
-    _check_callable(preds, "all_of")
-    flat = _flatten(preds, _all)
-    text = ", ".join(describe_predicate(p) for p in flat)
-    return Predicate(partial(_all, flat), f"all_of({text})", flat)
+    return _combine(preds, _all, "all_of")
 
 
 def not_(pred: ShardCondition) -> Predicate:

@@ -9,21 +9,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fsdptk import _dist
-# the rank-agreement helpers, importable from here as before (they live in fsdptk._dist)
-from fsdptk._dist import (  # noqa: F401
-    _comm_device,
-    agreed,
-    all_gather_object,
-    check_type,
-    comm_errors,
-    error_payload,
-    raise_if_any,
-    raise_lowest,
-)
 
 __all__ = [
     "is_distributed",
@@ -56,8 +44,8 @@ def is_distributed() -> bool:
         >>> is_distributed()  # a plain ``python`` process
         False
     """
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size() > 1
+    if _dist.has_process_group():
+        return _dist.world()[0] > 1
     port = os.environ.get("MASTER_PORT", "")
     addr = os.environ.get("MASTER_ADDR", "")
     try:

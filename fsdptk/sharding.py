@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -30,7 +29,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from fsdptk._dist import log_rank0
+from fsdptk._dist import has_process_group, log_rank0, world
 from fsdptk._sharding_plan import (
     ShardConditionError,
     ShardingPlan,
@@ -79,7 +78,7 @@ def _check_options(
     if mp_policy is not None and not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     if dp_mesh is None:
-        if not (dist.is_available() and dist.is_initialized()):
+        if not has_process_group():
             raise RuntimeError(
                 "shard_model needs a dp_mesh or an initialised default process group "
                 "(torch.distributed.init_process_group); for a dry run use describe_sharding"
@@ -98,7 +97,7 @@ def _check_options(
 
 def _shard_world_size(dp_mesh: DeviceMesh | None) -> int:
     if dp_mesh is None:
-        return dist.get_world_size()
+        return world()[0]
     return dp_mesh.size(dp_mesh.ndim - 1)
 
 

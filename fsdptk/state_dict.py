@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
 from fsdptk import _engine
 from fsdptk import buffers as _buffers
+from fsdptk._compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._dist import (agreed, all_gather_object, check_comm_device, check_rank_zero, check_type, is_rank0,
                           raise_problems)
 from fsdptk._dist import world as _world
@@ -249,8 +249,11 @@ def load_from_full_model_state_dict(
             caller's mapping untouched.
         broadcast_from_rank0: only rank 0 reads ``full_sd``; each rank receives only its own shard
             bytes, scattered from rank 0 bucket by bucket.
-        bucket_bytes: full-tensor bytes per scatter bucket (``None``: the engine's default,
-            16 MiB); bounds the memory beyond the shards.
+        bucket_bytes: bounds the memory one scatter bucket adds beyond ``full_sd`` and the new
+            shards (``None``: the engine's default, 16 MiB): full tensors read from a lazy
+            source (a checkpoint file) or converted to another dtype, and packed small pieces.
+            Large dim-0 shards of tensors a ``dict`` already holds are sent from views of them
+            and received in place, adding nothing, so they move in one bucket.
         init_buffers: ``init_buffers(module)`` sets the non-persistent buffers of each module
             that has some on ``meta``, overriding every other rule; it receives a stand-in of the
             module (parameters on ``meta``) and runs under ``torch.device("cpu")`` (see
@@ -438,7 +441,9 @@ def gather_cpu_state_dict(
             current accelerator otherwise), so a ``device`` of another type warns that it is not
             used. The results are always CPU tensors.
         adapter_weights_only: gather only trainable parameters (or what ``is_adapter`` selects).
-        bucket_bytes: full-tensor bytes per bucket (``None``: the engine's default, 16 MiB).
+        bucket_bytes: bounds the memory one bucket adds on every rank beyond the result
+            (``None``: the engine's default, 16 MiB): packed small pieces. The full tensors are
+            the result (kept anyway), so large dim-0 shards received in place move in one bucket.
         is_adapter: ``(fqn, tensor) -> bool`` overriding the adapter definition.
 
     Returns:

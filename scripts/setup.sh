@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) ./.venv with fsdptk and what it needs. Safe to run again: it installs only what
 # is missing. torch is pinned to 2.13.0 (CPU build) when absent, because an unpinned `torch` pulls a
-# multi-GB CUDA build; any torch>=2.6 that is already in the venv is kept.
+# multi-GB CUDA build; any torch>=2.13 that is already in the venv is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-}"

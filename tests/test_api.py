@@ -18,7 +18,7 @@ from fsdptk import errors
 
 def test_exceptions_live_in_errors_and_keep_their_old_paths() -> None:
     from fsdptk._files.lock import CheckpointLockedError
-    from fsdptk._safetensors_io import CheckpointError
+    from fsdptk._files.safetensors_io import CheckpointError
     from fsdptk.checkpoint import CheckpointError as C2
     from fsdptk.cli import CLIError
     from fsdptk.sharding import ShardConditionError

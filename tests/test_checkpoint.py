@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from fsdptk._safetensors_writer import ShardedWriter
+from fsdptk._files.safetensors_writer import ShardedWriter
 from fsdptk.checkpoint import (
     CheckpointError,
     SafetensorsCheckpoint,

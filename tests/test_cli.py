@@ -184,7 +184,7 @@ def test_convert_a_plain_dcp_directory_needs_the_right_prefix(tmp_path, capsys):
 
 
 def test_inspect_resolves_a_directory_as_the_loader_does(tmp_path, capsys):
-    from fsdptk._safetensors_writer import ShardedWriter
+    from fsdptk._files.safetensors_writer import ShardedWriter
 
     sd = {f"layers.{i}.w": torch.full((4, 8), float(i)) for i in range(4)}
     w = ShardedWriter(tmp_path, [(k, v.dtype, v.shape) for k, v in sd.items()], max_shard_size=300)

@@ -274,7 +274,7 @@ def test_caller_leaving_the_gather_lets_the_others_raise(world) -> None:
 def _save_failing(path: str) -> tuple[tuple[str, str, float, bool], int]:
     import fsdptk._engine.gather as engine
     from fsdptk import save_safetensors
-    from fsdptk._safetensors_writer import ShardedWriter
+    from fsdptk._files.safetensors_writer import ShardedWriter
 
     model = _loaded_model()
     inner, calls = ShardedWriter.write, [0]

@@ -33,7 +33,7 @@ from torch import nn
 import fsdptk._files.commit as commit
 from fsdptk._checkpoint_common import rename_keys
 from fsdptk._files.lock import CheckpointLockedError, DirectoryLock
-from fsdptk._safetensors_writer import ShardedWriter
+from fsdptk._files.safetensors_writer import ShardedWriter
 from fsdptk.checkpoint import (
     CheckpointError,
     SafetensorsCheckpoint,
@@ -358,7 +358,7 @@ def test_a_sigkilled_writer_leaves_a_loadable_directory(tmp_path: Path) -> None:
 import os, signal, sys, torch
 sys.path.insert(0, {str(REPO)!r})
 import fsdptk._files.commit as commit
-from fsdptk._safetensors_writer import ShardedWriter
+from fsdptk._files.safetensors_writer import ShardedWriter
 def hook(name, d):
     if name == "renamed-1":
         os.kill(os.getpid(), signal.SIGKILL)

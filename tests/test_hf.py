@@ -268,7 +268,7 @@ def test_a_failed_save_leaves_no_new_config(tmp_path, monkeypatch):
 def test_the_config_is_committed_under_the_directory_lock(tmp_path, monkeypatch):
     # a second writer must not interleave between the weights commit and the config rename
     from fsdptk import hf
-    from fsdptk._safetensors_writer import LOCK_NAME
+    from fsdptk._files.safetensors_writer import LOCK_NAME
 
     seen = []
     original = hf._StagedConfig.commit

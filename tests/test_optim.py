@@ -432,6 +432,62 @@ def test_release_sd_and_strict_false(world):
 
 
 # ---------------------------------------------------------------------------------------------
+# fixed costs: one object collective per call before data moves (issue 14, point 2)
+
+_OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+
+
+def _count_object_collectives(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with torch.distributed's object collectives counted (real calls)."""
+    calls, real = [], {n: getattr(dist, n) for n in _OBJECT_COLLECTIVES}
+
+    def counting(name):
+        def call(*a, **k):
+            calls.append(name)
+            return real[name](*a, **k)
+        return call
+
+    for name in _OBJECT_COLLECTIVES:
+        setattr(dist, name, counting(name))
+    try:
+        return fn(*args, **kwargs), calls
+    finally:
+        for name, f in real.items():
+            setattr(dist, name, f)
+
+
+def _object_collectives(bcast, layout):
+    from fsdptk import get_full_optimizer_state_dict, iter_full_optimizer_state, load_from_full_optimizer_state_dict
+
+    rank = dist.get_rank()
+    model, dp_rank, dp_size = _loaded(layout)
+    opt = _make_opt(model)
+    _train(model, opt, 0, 1, dp_rank, dp_size)
+    box = [get_full_optimizer_state_dict(model, opt, True)]
+    dist.broadcast_object_list(box, src=0)  # every rank holds the same full state
+    osd = box[0]
+    fresh = _make_opt(model)
+    res, load_calls = _count_object_collectives(
+        load_from_full_optimizer_state_dict, model, fresh, osd if rank == 0 or not bcast else {}, "cpu",
+        broadcast_from_rank0=bcast, bucket_bytes=256)  # tiny buckets: many data steps, still one
+    got, gather_calls = _count_object_collectives(get_full_optimizer_state_dict, model, fresh, rank == 0,
+                                                  bucket_bytes=256)
+    _, iter_calls = _count_object_collectives(lambda: list(iter_full_optimizer_state(model, fresh)))
+    same = _osd_equal(got, osd) if rank == 0 else got == {}
+    return load_calls, gather_calls, iter_calls, same, (res.missing_keys, res.unexpected_keys)
+
+
+@pytest.mark.parametrize("layout", ["1d", "tp"])
+@pytest.mark.parametrize("bcast", [True, False])
+def test_one_object_collective_per_call(world, bcast, layout):
+    for rank_out in world(2).run(_object_collectives, bcast, layout):
+        load_calls, gather_calls, iter_calls, same, keys = rank_out
+        assert load_calls == ["all_gather_object"], load_calls  # the view rides with the metadata
+        assert gather_calls == ["all_gather_object"] and iter_calls == ["all_gather_object"], gather_calls
+        assert same and keys == ([], [])
+
+
+# ---------------------------------------------------------------------------------------------
 # bad input: the same clear error on every rank, no hang, the optimizer untouched
 
 

@@ -53,6 +53,29 @@ class LoadPlan:
     _layouts: list[list[Any]] | None = None  # per rank: per entry (local, parts); src_rank0 only
     extras: list[Any] | None = None  # per rank: the ``extra`` each rank passed to :func:`agree`
 
+    def moving_like(self, rows: Sequence[tuple[str, str]], metas: Mapping[str, TensorMeta]) -> LoadPlan:
+        """A plan for other source tensors, each moving exactly like one of this plan's keys.
+
+        No collective: every rank derives it from this (agreed) plan and the agreed ``metas``.
+        Used where the tensors to move are not known on every rank before the one metadata
+        exchange (an optimizer's state, keyed by the parameter it belongs to): the exchange is
+        made over the targets, and each ``(name, key)`` of ``rows`` then takes ``key``'s layout on
+        every rank, and ``metas[name]`` as its source's shape and dtype.
+
+        Example:
+            >>> import torch
+            >>> plan = agree([("w", torch.empty(2, 3, device="meta"))], {"w": torch.ones(2, 3)})
+            >>> plan.moving_like([("w.m", "w"), ("w.v", "w")], {"w.m": plan.metas["w"], "w.v": plan.metas["w"]}).keys
+            ['w.m', 'w.v']
+        """
+        index = {fqn: i for i, fqn in enumerate(self.keys)}
+        picks = [(name, index[key]) for name, key in rows]
+        return LoadPlan(
+            [name for name, _ in picks], [], [], {name: metas[name] for name, _ in picks}, self.src_rank0,
+            self.cast, [(name, self._entries[i][1]) for name, i in picks],
+            None if self._layouts is None else [[mine[i] for _, i in picks] for mine in self._layouts],
+            self.extras)
+
     def out_dtype(self, fqn: str, layout: Layout) -> torch.dtype:
         """The dtype of ``fqn``'s output: the target's (cast, or NF4) or the source's."""
         if self.cast or layout.quantized:
@@ -70,8 +93,22 @@ def _entry(fqn: str, t: Any) -> tuple[str, Layout]:
     return fqn, layout_of(t)
 
 
-def _check_source(entries: list[tuple[str, Layout]], source: Source, cast: bool) -> tuple[Any, ...]:
-    """Validate the source against the targets locally: (problems, missing, unexpected, metas)."""
+def check_source(entries: Sequence[tuple[str, Layout]], source: Mapping[str, Any] | Source, cast: bool,
+                 ) -> tuple[list[tuple[str, str]], list[str], list[str], dict[str, TensorMeta]]:
+    """A reading rank's local verdict on its source: ``(problems, missing, unexpected, metas)``.
+
+    ``problems`` are ``(exception type name, message)`` pairs naming the key, both shapes or both
+    dtypes; :func:`merge_checks` turns every rank's verdict into the agreed one. :func:`agree`
+    exchanges this verdict itself; a caller that must exchange it in its own ``extra`` (because
+    only the reading ranks know which tensors there are) calls it directly.
+
+    Example:
+        >>> import torch
+        >>> from fsdptk._engine.layouts import layout_of
+        >>> check_source([("w", layout_of(torch.empty(2, 3)))], {"w": torch.ones(3, 2)}, True)[0]
+        [('ValueError', "'w': shape mismatch: the source has [3, 2], the model has [2, 3]")]
+    """
+    source = as_source(source)
     problems: list[tuple[str, str]] = []
     names = {fqn for fqn, _ in entries}
     unexpected = [k for k in source.keys() if k not in names]
@@ -97,6 +134,44 @@ def _check_source(entries: list[tuple[str, Layout]], source: Source, cast: bool)
             problems.append(("ValueError", f"{fqn!r}: dtype mismatch: cannot load the source's "
                              f"{meta.dtype} into the model's {target.dtype}"))
     return problems, missing, unexpected, metas
+
+
+def merge_checks(checks: Sequence[tuple[Any, ...] | None], src_rank0: bool,
+                 ) -> tuple[list[str], list[str], dict[str, TensorMeta]]:
+    """The agreed verdict from every rank's :func:`check_source` (``None`` for a rank that did not
+    read): ``(missing, unexpected, metas)``, or the same error on every rank.
+
+    With ``src_rank0`` rank 0's verdict is the verdict; otherwise every rank's problems count
+    (tagged with the rank) and sources that differ between ranks (keys, shapes or dtypes) are an
+    error.
+
+    Raises:
+        ValueError: shape or dtype problems (keys, shapes, dtypes, ranks), or sources that differ.
+        TypeError: when the only problems are non-tensor values (key and type).
+
+    Example:
+        >>> import torch
+        >>> from fsdptk._engine.layouts import layout_of
+        >>> merge_checks([check_source([("w", layout_of(torch.empty(2)))], {"w": torch.ones(2)}, True)], True)[0]
+        []
+    """
+    world = len(checks)
+    if src_rank0:
+        problems, missing, unexpected, metas = checks[0]  # type: ignore[misc]
+    else:
+        problems = []
+        for r, check in enumerate(checks):
+            tag = "" if world == 1 else f"rank {r}: "
+            problems += [(k, tag + m) for k, m in check[0]]  # type: ignore[index]
+        problems = list(dict.fromkeys(problems))
+        _, missing, unexpected, metas = checks[0]  # type: ignore[misc]
+        if not problems:
+            diff = [r for r, check in enumerate(checks) if check[1:] != checks[0][1:]]  # type: ignore[index]
+            if diff:
+                problems.append(("ValueError", f"the sources differ (keys, shapes or dtypes) between "
+                                 f"rank 0 and ranks {diff}; pass src_rank0=True to read rank 0's only"))
+    _raise(problems, "cannot load the state")
+    return missing, unexpected, metas
 
 
 def agree(
@@ -154,7 +229,7 @@ def agree(
             raise ValueError(f"duplicate target fqns: {dupes}")
         fp = _fingerprint((f, lay.shape, str(lay.target.dtype), type(lay).__name__) for f, lay in entries)
         reads = rank == 0 or not src_rank0
-        check = _check_source(entries, source, cast) if reads else None
+        check = check_source(entries, source, cast) if reads else None
         layout = [(lay.local, lay.parts) for _, lay in entries] if src_rank0 and world > 1 else None
     except Exception as e:  # noqa: BLE001 - raised on every rank just below
         error = e
@@ -163,21 +238,7 @@ def agree(
     diff = [r for r, p in enumerate(payloads) if p[0] != payloads[0][0]]
     if diff:
         raise ValueError(f"the targets (fqns, shapes, dtypes) differ between rank 0 and ranks {diff}")
-    if src_rank0:
-        problems, missing, unexpected, metas = payloads[0][1]
-    else:
-        problems = []
-        for r, p in enumerate(payloads):
-            tag = "" if world == 1 else f"rank {r}: "
-            problems += [(k, tag + m) for k, m in p[1][0]]
-        problems = list(dict.fromkeys(problems))
-        _, missing, unexpected, metas = payloads[0][1]
-        if not problems:
-            diff = [r for r, p in enumerate(payloads) if p[1][1:] != payloads[0][1][1:]]
-            if diff:
-                problems.append(("ValueError", f"the sources differ (keys, shapes or dtypes) between "
-                                 f"rank 0 and ranks {diff}; pass src_rank0=True to read rank 0's only"))
-    _raise(problems, "cannot load the state")
+    missing, unexpected, metas = merge_checks([p[1] for p in payloads], src_rank0)
     keep = [(f, lay) for f, lay in entries if f in metas]
     layouts = None
     if src_rank0 and world > 1:

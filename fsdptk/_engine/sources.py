@@ -10,7 +10,7 @@ A source answers three questions, and the engine asks nothing else (it knows no 
 
 :class:`MappingSource` adapts a Mapping of full tensors (a dict, a lazy Mapping). A Mapping whose
 values are read through safetensors-style slice objects (``get_slice(key)``) is adapted by the
-safetensors reader's own :class:`fsdptk._safetensors_io.SliceSource`, which owns that format.
+safetensors reader's own :class:`fsdptk._files.safetensors_io.SliceSource`, which owns that format.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def as_source(obj: Any) -> Source:
     if isinstance(obj, Source):
         return obj
     if callable(getattr(obj, "get_slice", None)):
-        from fsdptk._safetensors_io import SliceSource
+        from fsdptk._files.safetensors_io import SliceSource
 
         return SliceSource(obj)
     return MappingSource(obj)

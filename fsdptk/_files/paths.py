@@ -6,13 +6,9 @@ import os
 import stat
 from pathlib import Path
 
+from fsdptk.errors import CheckpointError
+
 __all__ = ["plain_name", "require_regular", "check_disjoint", "file_kind"]
-
-
-def _checkpoint_error(message: str) -> Exception:
-    from fsdptk._safetensors_io import CheckpointError  # lazy: _safetensors_io imports this module
-
-    return CheckpointError(message)
 
 
 def plain_name(name: object, *, what: str) -> str:
@@ -33,11 +29,11 @@ def plain_name(name: object, *, what: str) -> str:
             separator or a NUL byte.
     """
     if not isinstance(name, str):
-        raise _checkpoint_error(f"{what} names {name!r} ({type(name).__name__}), not a file name")
+        raise CheckpointError(f"{what} names {name!r} ({type(name).__name__}), not a file name")
     seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
     if (not name or name in (".", "..") or "\0" in name or any(s in name for s in seps)
             or os.path.isabs(name)):
-        raise _checkpoint_error(f"{what} names {name!r}: only plain file names inside the checkpoint "
+        raise CheckpointError(f"{what} names {name!r}: only plain file names inside the checkpoint "
                                 "directory are allowed (no directory part, no '..', not absolute)")
     return name
 
@@ -74,7 +70,7 @@ def require_regular(path: Path, what: str) -> os.stat_result:
     except FileNotFoundError as e:
         raise FileNotFoundError(e.errno, f"{what} {str(path)!r} is missing") from None
     if not stat.S_ISREG(st.st_mode):
-        raise _checkpoint_error(f"{what} {str(path)!r} is a {file_kind(st.st_mode)}, not a regular "
+        raise CheckpointError(f"{what} {str(path)!r} is a {file_kind(st.st_mode)}, not a regular "
                                 "file; refusing to open it")
     return st
 

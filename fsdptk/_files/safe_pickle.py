@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from fsdptk._files.paths import plain_name, require_regular
+from fsdptk.errors import CheckpointError
 
 __all__ = ["MetadataUnpickler", "load_metadata", "safe_reader", "safe_load_planner"]
 
@@ -84,8 +85,6 @@ def load_metadata(path: Path) -> Any:
     """
     from torch.distributed.checkpoint.metadata import Metadata
 
-    from fsdptk._safetensors_io import CheckpointError
-
     require_regular(path, "DCP metadata file")
     try:
         with open(path, "rb") as fh:
@@ -101,8 +100,6 @@ def load_metadata(path: Path) -> Any:
 
 
 def _check_storage(directory: Path, meta: Any) -> None:
-    from fsdptk._safetensors_io import CheckpointError
-
     files: set[str] = set()
     for index, info in (meta.storage_data or {}).items():
         rel = getattr(info, "relative_path", None)
@@ -164,12 +161,13 @@ def safe_load_planner(*, allow_partial_load: bool = False) -> Any:
         DefaultLoadPlanner: the planner.
     """
     from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
+
+    from fsdptk._compat import dcp_set_element
+
+    set_element = dcp_set_element()
 
     class _SafeLoadPlanner(DefaultLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-            from fsdptk._safetensors_io import CheckpointError
-
             fqn = read_item.dest_index.fqn
             try:
                 # DCP stores a BytesIO entry (save_dcp's ``extra``) as a pickled BytesIO: allow that

@@ -6,7 +6,7 @@ Layout (what ``transformers`` writes and reads): either one ``model.safetensors`
 
 Reading goes through the ``safetensors`` library (``safe_open``; headers only until a tensor or a
 slice of one is asked for).
-The writer is :mod:`fsdptk._safetensors_writer`.
+The writer is :mod:`fsdptk._files.safetensors_writer`.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import torch
 
 from fsdptk._files.commit import commit_files, fsync_dir, journal_path, recover_safetensors, tmp_name
 from fsdptk._files.lock import DirectoryLock
-from fsdptk._safetensors_io import (
+from fsdptk._files.safetensors_io import (
     INDEX_SUFFIX,
     CheckpointError,
     _numel,
