@@ -52,7 +52,8 @@ def dtensor_like(target: DTensor, local: torch.Tensor) -> DTensor:
     tensor is.
     """
     spec = target._spec
-    spec = replace(spec, tensor_meta=spec.tensor_meta._replace(dtype=local.dtype))
+    if spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:  # (specs are immutable: shared)
+        spec = replace(spec, tensor_meta=spec.tensor_meta._replace(dtype=local.dtype))
     return DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[call-arg]
 
 

@@ -79,12 +79,31 @@ def place(full: torch.Tensor, box: Box, piece: torch.Tensor) -> None:
             place(view.select(d, g), sub, piece.select(d, j))
 
 
+_BOXES: dict[tuple[Any, ...], Box] = {}  # (shape, placements, mesh shape, coordinate) -> box
+_BOXES_MAX = 4096
+
+
 def dtensor_box(t: DTensor) -> Box:
-    """This rank's box of ``t`` from DTensor's own placement math (Shard, _StridedShard, Replicate)."""
+    """This rank's box of ``t`` from DTensor's own placement math (Shard, _StridedShard, Replicate).
+
+    The box depends only on the shape, the placements, the mesh's shape and this rank's
+    coordinate, so it is computed once per such key (a model repeats a few shapes many times).
+    """
     mesh, shape = t.device_mesh, tuple(t.shape)
     coord = mesh.get_coordinate()
     if coord is None:
         return tuple(slice(0, 0) for _ in shape)
+    key = (shape, tuple(t.placements), tuple(mesh.shape), tuple(coord))
+    box = _BOXES.get(key)
+    if box is None:
+        if len(_BOXES) >= _BOXES_MAX:
+            _BOXES.clear()
+        box = _BOXES[key] = _compute_box(t, shape, mesh, coord)
+    return box
+
+
+def _compute_box(t: DTensor, shape: tuple[int, ...], mesh: Any, coord: Sequence[int]) -> Box:
+    """:func:`dtensor_box` without the cache."""
     offsets: dict[int, torch.Tensor] = {}
     local = list(shape)
     for mesh_dim, p in enumerate(t.placements):
