@@ -247,7 +247,7 @@ def _progress(rec: dict, t0: float) -> None:
 def _shown(path: str) -> str:
     """``path`` as the docs show it: relative to the repository when inside it."""
     try:
-        return str(Path(path).resolve().relative_to(REPO))
+        return str(Path(path).absolute().relative_to(REPO))
     except ValueError:
         return str(path)
 
