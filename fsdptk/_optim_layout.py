@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdptk._engine.sources import holds_value
 from fsdptk._names import clean_fqn, tensor_groups
 
 STATE, PG, PARAMS, NAMES = "state", "param_groups", "params", "param_names"
@@ -256,6 +257,12 @@ class StateSource(Mapping[str, Any]):
     def __delitem__(self, name: str) -> None:
         fqn, key = self._where[name]
         del self._state[fqn][key]  # type: ignore[attr-defined]
+
+    def holds(self, name: str) -> bool:
+        """Whether ``self[name]`` is a tensor held in plain dicts (the engine's
+        :func:`~fsdptk._engine.sources.holds_value`: reading it allocates nothing)."""
+        fqn, _ = self._where[name]
+        return holds_value(self._state, fqn) and holds_value(self._state[fqn], self._where[name][1])
 
 
 def _fresh(value: Any) -> Any:

@@ -627,3 +627,19 @@ def test_cpu_offload_state_lives_on_cpu():  # pragma: no cover - needs a GPU
     finally:
         if own_pg:
             dist.destroy_process_group()
+
+
+def test_state_held_in_plain_dicts_is_known_to_the_engine_as_held():
+    """Saved state in plain dicts is read without allocating, so a rank-0 load moves its large
+    dim-0 shards in one bucket; state behind another Mapping is read bucket by bucket."""
+    from types import MappingProxyType
+
+    from fsdptk._engine.sources import as_source
+    from fsdptk._optim_layout import StateSource
+
+    t = torch.ones(4, 2)
+    rows = [("state.w.exp_avg", "w", "exp_avg")]
+    assert as_source(StateSource({"w": {"exp_avg": t}}, rows)).meta("state.w.exp_avg").held_on == "cpu"
+    for state in ({"w": MappingProxyType({"exp_avg": t})}, MappingProxyType({"w": {"exp_avg": t}}),
+                  {"w": {"exp_avg": t.t()}}):  # not a plain dict, or not contiguous
+        assert as_source(StateSource(state, rows)).meta("state.w.exp_avg").held_on is None

@@ -81,9 +81,7 @@ class MappingSource:
             raise SourceProblem("TypeError", f"{key!r}: the source holds a DTensor; expected a full (plain) tensor")
         if not isinstance(value, torch.Tensor):
             raise SourceProblem("TypeError", f"{key!r}: expected a tensor, got {type(value).__name__} ({value!r:.60})")
-        # a plain dict holds its values: reading one allocates nothing (any other Mapping may
-        # build the value on access, e.g. from a file, so it is not assumed to hold it)
-        holds = type(self.mapping).__getitem__ is dict.__getitem__ and value.is_contiguous()
+        holds = holds_value(self.mapping, key) and value.is_contiguous()
         return TensorMeta(tuple(value.shape), value.dtype, value.device.type if holds and not value.is_meta else None)
 
     def read(self, key: str, box: Box | None = None) -> torch.Tensor:
@@ -96,6 +94,23 @@ class MappingSource:
                 del self.mapping[key]  # type: ignore[attr-defined]
             except (KeyError, TypeError, NotImplementedError):
                 pass
+
+
+def holds_value(mapping: Any, key: str) -> bool:
+    """Whether ``mapping[key]`` returns a tensor the mapping already holds (reading it allocates
+    nothing): true of a plain ``dict``; a Mapping that knows says so with a ``holds(key)``
+    method; any other Mapping may build the value on access (e.g. from a file), so it does not.
+
+    Example:
+        >>> import torch
+        >>> from types import MappingProxyType
+        >>> holds_value({"w": torch.ones(1)}, "w"), holds_value(MappingProxyType({"w": torch.ones(1)}), "w")
+        (True, False)
+    """
+    holds = getattr(mapping, "holds", None)
+    if callable(holds):
+        return bool(holds(key))
+    return type(mapping).__getitem__ is dict.__getitem__
 
 
 def as_source(obj: Any) -> Source:
