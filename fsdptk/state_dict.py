@@ -134,7 +134,12 @@ def _buffer_local(model: nn.Module, init_buffers: BufferInit | None) -> tuple[di
         values, failed = _buffers._recompute(model, mine, init_buffers)
     except Exception as e:  # noqa: BLE001 - agreed with the metadata, never left to one rank
         values, failed = {}, {m: f"recomputing raised {type(e).__name__}: {e}" for m in mine}
-    return values, (mine, failed)
+    # every non-persistent buffer's (shape, dtype): what rank 0 would send and each rank receive
+    shapes = {_buffers._fqn(mod_name, name): (tuple(buf.shape), buf.dtype)
+              for mod_name, mod in model.named_modules()
+              for name in getattr(mod, "_non_persistent_buffers_set", ())
+              if (buf := mod._buffers.get(name)) is not None}
+    return values, (mine, failed, shapes)
 
 
 def _buffer_plan(model: nn.Module, broadcast_from_rank0: bool, init_buffers: BufferInit | None,
@@ -156,13 +161,13 @@ def _buffer_plan(model: nn.Module, broadcast_from_rank0: bool, init_buffers: Buf
     if views is None:
         views = all_gather_object(view) if world > 1 else [view]
     failures: dict[str, str] = {}
-    for _, f in views:
+    for _, f, _ in views:
         for mod_name, msg in f.items():
             failures.setdefault(mod_name, msg)
     send, problems = [], []
     rank0_meta = views[0][0]
     for mod_name in sorted(failures):
-        names = sorted({b for v, _ in views for b in v.get(mod_name, [])})
+        names = sorted({b for v, _, _ in views for b in v.get(mod_name, [])})
         rank0_real = not set(names) & set(rank0_meta.get(mod_name, []))
         if names and broadcast_from_rank0 and rank0_real and world > 1 and init_buffers is None:
             send += [_buffers._fqn(mod_name, n) for n in names]
@@ -174,21 +179,45 @@ def _buffer_plan(model: nn.Module, broadcast_from_rank0: bool, init_buffers: Buf
     return values, send
 
 
-def _receive_buffers(model: nn.Module, fqns: list[str], device: torch.device,
+def _receive_buffers(model: nn.Module, fqns: list[str], device: torch.device, views: list[Any],
                      ) -> dict[str, torch.Tensor]:
     """Rank 0's real values of meta non-persistent buffers -> every rank (scattered by the engine).
 
+    No second object exchange: every rank's buffer shapes and dtypes came with the load's one
+    metadata exchange (``views``), so every rank checks them alike and builds the same plan.
     Returns fqn -> value; nothing is assigned here (the caller assigns once every transfer of the
     load has succeeded). The engine's generator is exhausted: its last steps wait for rank 0's
     sends (stopping early left them pending and hung the next collective).
+
+    Raises:
+        ValueError: on every rank, when a buffer's shape differs between ranks, a rank lacks it, or
+            rank 0's floating values would go into an integer buffer (names the buffer and ranks).
     """
     if not fqns:
         return {}
+    problems = []
+    for fqn in fqns:
+        seen = [v[2].get(fqn) for v in views]
+        absent = [r for r, s in enumerate(seen) if s is None]
+        if absent:
+            problems.append(("ValueError", f"non-persistent buffer {fqn!r} is not registered on ranks {absent}"))
+            continue
+        differ = [r for r, s in enumerate(seen) if s[0] != seen[0][0]]
+        if differ:
+            problems.append(("ValueError", f"non-persistent buffer {fqn!r}: shape {list(seen[0][0])} on rank 0, "
+                             f"{[list(seen[r][0]) for r in differ]} on ranks {differ}"))
+        src = seen[0][1]
+        ints = [r for r, s in enumerate(seen) if src.is_floating_point and not s[1].is_floating_point]
+        if ints:
+            problems.append(("ValueError", f"non-persistent buffer {fqn!r}: cannot load rank 0's {src} into "
+                             f"the {seen[ints[0]][1]} buffer of ranks {ints}"))
+    raise_problems(problems, "cannot send the non-persistent buffers from rank 0")
     modules = dict(model.named_modules())
     owners = [(modules[f.rpartition(".")[0]], f.rpartition(".")[2]) for f in fqns]
     targets = [(f, mod._buffers[n]) for f, (mod, n) in zip(fqns, owners)]
     source = dict(targets) if is_rank0() else {}
-    plan = _engine.agree(targets, source, src_rank0=True)
+    metas = {f: TensorMeta(*views[0][2][f]) for f in fqns}
+    plan = _engine.LoadPlan.replicated(targets, metas)
     return dict(_engine.distribute(plan, source, device=device))
 
 
@@ -310,7 +339,7 @@ def load_from_full_model_state_dict(
         _check_strict(model, missing, plan.unexpected)
     recomputed, send = _buffer_plan(model, broadcast_from_rank0, init_buffers, buffers_local, plan.extras)
     # rank 0's buffers first, kept aside: a failure here (agreed on every rank) changes nothing
-    sent = _receive_buffers(model, send, device)
+    sent = _receive_buffers(model, send, device, plan.extras or [])
     # validation is over on every rank: from here on the model changes
     params = {id(p) for p in model.parameters()}
     by_fqn = dict(targets)

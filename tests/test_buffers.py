@@ -478,3 +478,70 @@ def test_a_failed_buffer_send_leaves_the_model_untouched(world):
 @pytest.mark.parametrize("n", [2, 4])
 def test_forty_broadcast_loads_rank0_real_others_meta(world, n):
     assert world(n).run(_stress, 40, timeout=120) == [[True] * 40] * n
+
+
+def _object_collectives_of_a_buffer_broadcast():
+    """Rank 0 real, the others on meta with no rule for the buffers: the load sends rank 0's
+    buffers, and makes ONE object collective before any tensor moves (the buffers' shapes travel
+    with the load's metadata)."""
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = _Stress()
+    if rank == 0:
+        torch.manual_seed(0)
+        model = _Stress()
+    else:
+        with torch.device("meta"):
+            model = _Stress()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    calls = []
+    names = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
+    inner = {n: getattr(dist, n) for n in names}
+
+    def counted(n):
+        def f(*a, **k):
+            calls.append(n)
+            return inner[n](*a, **k)
+        return f
+
+    for n in names:
+        setattr(dist, n, counted(n))
+    try:
+        load_from_full_model_state_dict(model, ref.state_dict() if rank == 0 else {}, "cpu", broadcast_from_rank0=True)
+    finally:
+        for n in names:
+            setattr(dist, n, inner[n])
+    return calls, _same_buffers(model, ref)
+
+
+def test_a_buffer_broadcast_needs_no_second_object_collective(world):
+    assert world(2).run(_object_collectives_of_a_buffer_broadcast) == [(["all_gather_object"], True)] * 2
+
+
+class _MaskOf(nn.Module):
+    def __init__(self, m: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.register_buffer("mask", torch.randn(m), persistent=False)
+
+
+def _buffer_broadcast_with_different_shapes():
+    rank = dist.get_rank()
+    if rank == 0:
+        model = _MaskOf(6)
+    else:
+        with torch.device("meta"):
+            model = _MaskOf(7)  # built differently: its buffer cannot take rank 0's values
+    try:
+        load_from_full_model_state_dict(model, {}, "cpu", broadcast_from_rank0=True, strict=False)
+    except ValueError as e:
+        return "'mask': shape [6] on rank 0, [[7]] on ranks [1]" in str(e) or str(e)
+    return "no error"
+
+
+def test_a_buffer_rank0_cannot_send_is_an_error_on_every_rank(world):
+    assert world(2).run(_buffer_broadcast_with_different_shapes, timeout=60) == [True, True]

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from fsdptk._dist import _comm_device, all_gather_object, comm_errors, error_payload, raise_lowest
 from fsdptk._dist import raise_problems as _raise
 from fsdptk._dist import world as _world
-from fsdptk._engine.layouts import Layout, layout_of
+from fsdptk._engine.layouts import Layout, PlainLayout, layout_of
 from fsdptk._engine.sources import Source, SourceProblem, TensorMeta, as_source
 
 
@@ -52,6 +52,32 @@ class LoadPlan:
     _entries: list[tuple[str, Layout]]
     _layouts: list[list[Any]] | None = None  # per rank: per entry (local, parts); src_rank0 only
     extras: list[Any] | None = None  # per rank: the ``extra`` each rank passed to :func:`agree`
+
+    @classmethod
+    def replicated(cls, targets: Sequence[tuple[str, torch.Tensor]], metas: Mapping[str, TensorMeta]) -> LoadPlan:
+        """A rank-0 scatter plan for plain (replicated) targets, with no collective.
+
+        For tensors whose shapes and dtypes every rank already agreed in an earlier exchange
+        (``metas``: rank 0's source tensors): a plain target's piece is the whole tensor on every
+        rank, so every rank's layout is known without exchanging it.
+
+        Raises:
+            ValueError: a target is not a plain tensor (a DTensor or NF4 needs :func:`agree`).
+
+        Example:
+            >>> import torch
+            >>> t = torch.empty(3, device="meta")
+            >>> LoadPlan.replicated([("b", t)], {"b": TensorMeta((3,), torch.float32)}).keys
+            ['b']
+        """
+        entries = [_entry(fqn, t) for fqn, t in targets]
+        bad = [fqn for fqn, lay in entries if type(lay) is not PlainLayout]
+        if bad:
+            raise ValueError(f"LoadPlan.replicated takes plain tensors only; {bad} are sharded or quantised")
+        world = _world()[0]
+        mine = [(lay.local, lay.parts) for _, lay in entries]
+        return cls([fqn for fqn, _ in entries], [], [], {fqn: metas[fqn] for fqn, _ in entries}, True, True,
+                   entries, [list(mine) for _ in range(world)] if world > 1 else None)
 
     def moving_like(self, rows: Sequence[tuple[str, str]], metas: Mapping[str, TensorMeta]) -> LoadPlan:
         """A plan for other source tensors, each moving exactly like one of this plan's keys.
