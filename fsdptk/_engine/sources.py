@@ -8,6 +8,9 @@ A source answers three questions, and the engine asks nothing else (it knows no 
   the full tensor); a lazy source reads only the covering region (shard-on-read);
 * release: ``release(key)`` drops the caller's entry once it is no longer needed.
 
+``TensorMeta.held_on`` adds one fact the engine uses to size buckets: whether the source already
+holds the whole tensor in memory (reading it allocates nothing), see :func:`holds_value`.
+
 :class:`MappingSource` adapts a Mapping of full tensors (a dict, a lazy Mapping). A Mapping whose
 values are read through safetensors-style slice objects (``get_slice(key)``) is adapted by the
 safetensors reader's own :class:`fsdptk._files.safetensors_io.SliceSource`, which owns that format.
