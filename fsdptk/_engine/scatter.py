@@ -139,7 +139,8 @@ def _rank0_pieces(plan: LoadPlan, i: int, source: Source, world: int,
     return lay.cut(source.read(fqn), [layouts[r][i][0] for r in range(world)], plan.out_dtype(fqn, lay), comm)
 
 
-def _extra_bytes(plan: LoadPlan, i: int, direct: list[list[list[bool]]], world: int, comm: torch.device) -> int:
+def _extra_bytes(plan: LoadPlan, i: int, direct: list[list[list[bool]]], world: int, comm: torch.device,
+                 device: torch.device) -> int:
     """What entry ``i`` adds to memory while its bucket is on the wire, beyond the caller's source
     and the outputs: this is what ``bucket_bytes`` bounds.
 
@@ -147,12 +148,14 @@ def _extra_bytes(plan: LoadPlan, i: int, direct: list[list[list[bool]]], world: 
     contiguous, in the output dtype, on the communication device: then the only extra bytes are
     the pieces that are packed (or copied to be contiguous), on rank 0 and on their receiver.
     Large dim-0 pieces are sent from views of the full tensor and received into the outputs, so a
-    model of such tensors held in a dict moves in one bucket with one status agreement.
+    model of such tensors held in a dict moves in one bucket with one status agreement. When the
+    outputs live on another device than the transport's (gloo with a CUDA ``device``), every
+    received piece is a staging copy, so everything counts.
     """
     fqn, lay = plan._entries[i]
     dtype = plan.out_dtype(fqn, lay)
     meta = plan.metas[fqn]
-    if lay.quantized or meta.held_on != comm.type or meta.dtype != dtype:
+    if lay.quantized or meta.held_on != comm.type or meta.dtype != dtype or device.type != comm.type:
         return nbytes(lay.shape, dtype)
     layouts = plan._layouts or []
     return sum(nbytes(box_shape(layouts[r][i][0]), dtype) for r in range(1, world)
@@ -183,7 +186,7 @@ def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, re
              for r in range(world)]
     direct = [[[is_direct(s, d, lay.quantized) for s, d in parts[r][i]] for i, (_, lay) in enumerate(entries)]
               for r in range(world)]
-    extra = [_extra_bytes(plan, i, direct, world, comm) for i in range(len(entries))]
+    extra = [_extra_bytes(plan, i, direct, world, comm, device) for i in range(len(entries))]
     flight = InFlight()  # the previous bucket's transfers
     held: tuple[list[int], list[torch.Tensor]] | None = None  # a receiver: the previous bucket
     try:
