@@ -497,3 +497,30 @@ def test_checksum_tells_values_apart():
     big = torch.arange(10, dtype=torch.uint8)
     assert _checksum([big[1:9]]) == _checksum([big[1:9].clone()])  # odd storage offset
     assert _checksum([torch.ones(3, dtype=torch.bfloat16)]) != _checksum([torch.zeros(3, dtype=torch.bfloat16)])
+
+
+def _extra_bytes_by_output_device():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import fsdptk._engine.wire as wire
+    from fsdptk._engine import agree
+    from fsdptk._engine.scatter import _extra_bytes
+
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.ones(64, 1024)  # 256 KiB: Shard(0) pieces of 128 KiB
+    target = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None).to("meta")
+    src = {"w": full} if dist.get_rank() == 0 else {}
+    plan = agree([("w", target)], src, src_rank0=True)
+    direct = [[[True]], [[True]]]  # as if above the direct threshold
+    cpu = torch.device("cpu")
+    old, wire.DIRECT_MIN_BYTES = wire.DIRECT_MIN_BYTES, 1
+    try:
+        return (_extra_bytes(plan, 0, direct, 2, cpu, cpu), _extra_bytes(plan, 0, direct, 2, cpu, torch.device("cuda")))
+    finally:
+        wire.DIRECT_MIN_BYTES = old
+
+
+def test_received_pieces_count_when_they_are_staged_for_another_device(world):
+    """gloo moving into CUDA outputs receives into CPU staging buffers: they count in full."""
+    assert world(2).run(_extra_bytes_by_output_device) == [(0, 64 * 1024 * 4)] * 2
