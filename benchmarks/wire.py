@@ -55,12 +55,19 @@ def _model(n: int, rows: int, cols: int) -> nn.Module:
     return model
 
 
-def _timed(fn) -> float:
+def _timed(fn) -> tuple[float, float]:
+    """Wall seconds of ``fn`` between barriers, and the CPU seconds it took summed over every rank
+    (each process's user + system time, its communication threads included: the socket copies and
+    the page faults of first-touched memory are system time)."""
     dist.barrier()
+    c0 = time.process_time()
     t0 = time.perf_counter()
     fn()
     dist.barrier()
-    return time.perf_counter() - t0
+    wall = time.perf_counter() - t0
+    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+    dist.all_reduce(cpu)
+    return wall, float(cpu)
 
 
 def _worker(rank: int, world: int, port: int, names: list[str], repeats: int, q) -> None:
@@ -75,7 +82,7 @@ def _worker(rank: int, world: int, port: int, names: list[str], repeats: int, q)
 
     from fsdptk import gather_cpu_state_dict, load_from_full_model_state_dict
 
-    results: dict[tuple[str, str], list[float]] = {}
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for name in names:
         n, rows, cols = MODELS[name]
         model = _model(n, rows, cols)
@@ -164,12 +171,18 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run(world: int, names: list[str], repeats: int) -> dict[tuple[str, str], list[float]]:
-    """Time every method on every model at ``world`` ranks; rank 0's seconds per repeat."""
+def run(world: int, names: list[str], repeats: int) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """Time every method on every model at ``world`` ranks: per repeat, rank 0's wall seconds and
+    the CPU seconds of all ranks together."""
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     mp.start_processes(_worker, args=(world, _port(), names, repeats, q), nprocs=world, start_method="spawn")
     return q.get()
+
+
+def _label(name: str) -> str:
+    n, rows, cols = MODELS[name]
+    return f"{name} ({n} x {rows}x{cols} fp32, {n * rows * cols * 4 / 1e9:.2f} GB)"
 
 
 def _load() -> str:
@@ -183,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
+    cores = os.cpu_count() or 1
     for world in args.worlds:
         before = _load()
         res = run(world, args.models, args.repeats)
@@ -193,11 +207,19 @@ def main(argv: list[str] | None = None) -> int:
             print("| model | raw | raw into new memory | fsdptk | DCP | / raw | / raw new | / DCP |")
             print("|---|---|---|---|---|---|---|---|")
             for name in args.models:
-                t = {m: min(res[(name, m)]) for m in METHODS}
-                n, rows, cols = MODELS[name]
-                label = f"{name} ({n} x {rows}x{cols} fp32, {n * rows * cols * 4 / 1e9:.2f} GB)"
+                t = {m: min(w for w, _ in res[(name, m)]) for m in METHODS}
                 f = t[f"fsdptk_{op}"]
-                print(f"| {label} | {t[f'raw_{op}']:.4f} | {t[f'raw_new_{op}']:.4f} | {f:.4f} | {t[f'dcp_{op}']:.4f} "
-                      f"| {f / t[f'raw_{op}']:.2f} | {f / t[f'raw_new_{op}']:.2f} | {f / t[f'dcp_{op}']:.2f} |",
-                      flush=True)
+                print(f"| {_label(name)} | {t[f'raw_{op}']:.4f} | {t[f'raw_new_{op}']:.4f} | {f:.4f} "
+                      f"| {t[f'dcp_{op}']:.4f} | {f / t[f'raw_{op}']:.2f} | {f / t[f'raw_new_{op}']:.2f} "
+                      f"| {f / t[f'dcp_{op}']:.2f} |", flush=True)
+            print(f"\n{op}: CPU seconds of all ranks together (min of {args.repeats}); on {cores} cores no "
+                  f"run can take less wall time than CPU / {cores}")
+            print(f"| model | raw | raw into new memory | fsdptk | fsdptk CPU / {cores} | fsdptk wall / that |")
+            print("|---|---|---|---|---|---|")
+            for name in args.models:
+                c = {m: min(cpu for _, cpu in res[(name, m)]) for m in METHODS}
+                wall = min(w for w, _ in res[(name, f"fsdptk_{op}")])
+                floor = c[f"fsdptk_{op}"] / cores
+                print(f"| {_label(name)} | {c[f'raw_{op}']:.4f} | {c[f'raw_new_{op}']:.4f} "
+                      f"| {c[f'fsdptk_{op}']:.4f} | {floor:.4f} | {wall / floor:.2f} |", flush=True)
     return 0

@@ -49,14 +49,17 @@ def _check_args(model: Any, opt: Any) -> None:
     check_type(opt, torch.optim.Optimizer, "opt", "a torch.optim.Optimizer")
 
 
-def _agreed_layout(model: nn.Module, opt: torch.optim.Optimizer, bucket_bytes: int | None = None
-                   ) -> tuple[list[tuple[str, Any, Any]], list[dict[str, Any]]]:
-    """:func:`_gather_layout`, with a failure on any rank raised on every rank (collective)."""
-    with agreed():
+def _local_layout(model: nn.Module, opt: torch.optim.Optimizer, bucket_bytes: int | None
+                  ) -> tuple[list[tuple[str, Any, Any]], list[dict[str, Any]], int, Exception | None]:
+    """:func:`_gather_layout` and the bucket size, or this rank's error: no collective, the error
+    is agreed in the engine's one metadata exchange (``_iter_state(..., failed=error)``)."""
+    try:
         _check_args(model, opt)
-        bucket_size(bucket_bytes)
-        layout = _gather_layout(model, opt)
-    return layout
+        size = bucket_size(bucket_bytes)
+        entries, groups = _gather_layout(model, opt)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by collect's exchange
+        return [], [], 1, e
+    return entries, groups, size, None
 
 
 def _gather_layout(model: nn.Module, opt: torch.optim.Optimizer
@@ -143,12 +146,14 @@ def iter_full_optimizer_state(
         >>> [(fqn, sorted(st)) for bucket in iter_full_optimizer_state(model, opt) for fqn, st in bucket]
         [('weight', ['exp_avg', 'exp_avg_sq', 'step']), ('bias', ['exp_avg', 'exp_avg_sq', 'step'])]
     """
-    yield from _iter_state(_agreed_layout(model, opt, bucket_bytes)[0], bucket_size(bucket_bytes))
+    entries, _, size, error = _local_layout(model, opt, bucket_bytes)
+    yield from _iter_state(entries, size, failed=error)
 
 
 def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int, retained: bool = False,
-                ) -> Iterator[list[tuple[str, dict[str, Any]]]]:
-    """:func:`iter_full_optimizer_state`; ``retained``: the caller keeps every bucket."""
+                failed: Exception | None = None) -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """:func:`iter_full_optimizer_state`; ``retained``: the caller keeps every bucket; ``failed``:
+    this rank's pre-flight error, raised on every rank by the engine's metadata exchange."""
     names = [f"{STATE}.{fqn}.{key}" for fqn, key, _ in entries]
     items = [(n, v) for n, (_, _, v) in zip(names, entries) if isinstance(v, torch.Tensor)]
     last = {fqn: i for i, (fqn, _, _) in enumerate(entries)}  # index of each fqn's last entry
@@ -174,7 +179,7 @@ def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int, retained
         return done
 
     arrived: dict[str, torch.Tensor] = {}
-    buckets = _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained)
+    buckets = _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained, failed=failed)
     for bucket in buckets:
         try:
             arrived.update(bucket)
@@ -245,9 +250,9 @@ def get_full_optimizer_state_dict(
     """
     check_comm_device("get_full_optimizer_state_dict", device)
     keep = check_rank_zero("get_full_optimizer_state_dict", is_rank_zero)
-    entries, groups = _agreed_layout(model, opt, bucket_bytes)
+    entries, groups, size, error = _local_layout(model, opt, bucket_bytes)
     state: dict[str, dict[str, Any]] = {}
-    for bucket in _iter_state(entries, bucket_size(bucket_bytes), retained=True):
+    for bucket in _iter_state(entries, size, retained=True, failed=error):
         state.update(bucket)
     if not keep:
         return {}
@@ -463,7 +468,8 @@ def load_from_full_optimizer_state_dict(
         (0.001, True)
     """
     reads = is_rank0() or not broadcast_from_rank0
-    with agreed():  # a bad argument or input on any rank is raised on every rank
+    error: Exception | None = None
+    try:  # a bad argument or input on any rank is raised on every rank by the exchange below
         _check_args(model, opt)
         if reads:
             check_type(full_sd, Mapping, "full_sd", "a Mapping (a full optimizer state dict)")
@@ -473,10 +479,14 @@ def load_from_full_optimizer_state_dict(
         params = {fqn: p for group in ours for fqn, p in group}
         view, saved, mine = (_reader_view(model, ours, full_sd, param_names, broadcast_from_rank0) if reads
                              else (None, {}, None))
+        shapes = {fqn: torch.empty(p.shape, dtype=p.dtype, device="meta") for fqn, p in params.items()}
+    except Exception as e:  # noqa: BLE001 - agreed by the engine's exchange just below
+        error, params, shapes, mine = e, {}, {}, None
     # ONE object exchange before any tensor moves: the engine agrees on the parameters' layouts
-    # (the same targets on every rank) and carries each reading rank's view of the state with them
-    shapes = {fqn: torch.empty(p.shape, dtype=p.dtype, device="meta") for fqn, p in params.items()}
-    plan = _engine.agree(list(params.items()), shapes, src_rank0=broadcast_from_rank0, cast=False, extra=mine)
+    # (the same targets on every rank) and carries each reading rank's view of the state, or its
+    # argument error, with them
+    plan = _engine.agree(list(params.items()), shapes, src_rank0=broadcast_from_rank0, cast=False, extra=mine,
+                         failed=error)
     view, verdicts = _agree_view(view, plan.extras or [], broadcast_from_rank0)
     if strict:
         _check_strict(view, param_fqns(model)[1])

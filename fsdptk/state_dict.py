@@ -17,7 +17,7 @@ from torch import nn
 from fsdptk import _engine
 from fsdptk import buffers as _buffers
 from fsdptk._compat import IncompatibleKeys as _IncompatibleKeys
-from fsdptk._dist import (agreed, all_gather_object, check_comm_device, check_rank_zero, check_type, is_rank0,
+from fsdptk._dist import (all_gather_object, check_comm_device, check_rank_zero, check_type, is_rank0,
                           raise_problems)
 from fsdptk._dist import world as _world
 from fsdptk._engine import TensorMeta, bucket_size
@@ -321,7 +321,8 @@ def load_from_full_model_state_dict(
         ('cpu', 2)
     """
     reads = not broadcast_from_rank0 or is_rank0()
-    with agreed():  # a bad argument on any rank is raised on every rank, before any collective
+    error: Exception | None = None
+    try:  # a bad argument on any rank is raised on every rank by the one metadata exchange below
         check_type(model, nn.Module, "model", "a torch.nn.Module")
         if reads or full_sd is not None:
             check_type(full_sd, Mapping, "full_sd", "a Mapping of fqn -> full tensor (a dict, or a "
@@ -331,9 +332,13 @@ def load_from_full_model_state_dict(
         bucket_bytes = bucket_size(bucket_bytes)
         targets, aliases = _tensor_groups(model)
         source = _AliasedSource({} if full_sd is None else full_sd, aliases)
-    buffers_local = _buffer_local(model, init_buffers)
-    # ONE object exchange before data moves: the buffers' views travel with the metadata
-    plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0, extra=buffers_local[1])
+        buffers_local = _buffer_local(model, init_buffers)
+    except Exception as e:  # noqa: BLE001 - agreed by the exchange just below
+        error, targets, source, buffers_local = e, [], {}, ({}, None)
+    # ONE object exchange before data moves: this rank's argument error (if any) and the buffers'
+    # views travel with the metadata
+    plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0, extra=buffers_local[1],
+                         failed=error)
     missing = [k for k in model.state_dict(keep_vars=True) if aliases.get(k, k) in plan.missing]
     if strict:
         _check_strict(model, missing, plan.unexpected)
@@ -434,11 +439,15 @@ def _stream_state(model: nn.Module, bucket_bytes: int | None, adapter_weights_on
                   is_adapter: Callable[[str, torch.Tensor], bool] | None, *, retained: bool,
                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """:func:`iter_full_state_dict`; ``retained``: the caller keeps every bucket (see ``collect``)."""
-    with agreed():  # a bad argument or a failing is_adapter on any rank: raised on every rank
+    error: Exception | None = None
+    try:  # a bad argument or a failing is_adapter on any rank: raised on every rank by the engine's
+        # one metadata exchange (no agreement of its own)
         check_type(model, nn.Module, "model", "a torch.nn.Module")
         bucket_bytes = bucket_size(bucket_bytes)
         items, groups = _gather_items(model, adapter_weights_only, is_adapter)
-    buckets = _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained)
+    except Exception as e:  # noqa: BLE001 - agreed by collect
+        error, items, groups, bucket_bytes = e, [], {}, 1
+    buckets = _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained, failed=error)
     for bucket in buckets:
         try:
             yield [(k, t) for fqn, t in bucket for k in (fqn, *groups.get(fqn, ()))]

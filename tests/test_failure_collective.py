@@ -368,7 +368,8 @@ def test_optimizer_pair_failures_raise_on_every_rank(world) -> None:
 # ----------------------------------------------------------------------------------------------
 # point 11: argument types, replicated tensors that differ between ranks
 def _wrong_types() -> dict[str, tuple[str, str]]:
-    from fsdptk import gather_cpu_state_dict, load_from_full_model_state_dict
+    from fsdptk import (gather_cpu_state_dict, get_full_optimizer_state_dict, load_from_full_model_state_dict,
+                        load_from_full_optimizer_state_dict)
 
     out = {}
     model = _model()
@@ -378,6 +379,11 @@ def _wrong_types() -> dict[str, tuple[str, str]]:
         "gather_model": lambda: gather_cpu_state_dict("model.pt", True),
         "model_on_rank1": lambda: load_from_full_model_state_dict(
             model if dist.get_rank() == 0 else None, _full_sd(), "cpu"),
+        "gather_model_on_rank1": lambda: gather_cpu_state_dict(model if dist.get_rank() == 0 else [], True),
+        "optim_gather_on_rank1": lambda: get_full_optimizer_state_dict(
+            model, torch.optim.SGD(model.parameters()) if dist.get_rank() == 0 else "sgd", True),
+        "optim_load_on_rank1": lambda: load_from_full_optimizer_state_dict(
+            model if dist.get_rank() == 0 else 7, torch.optim.SGD(model.parameters()), {}, "cpu"),
     }.items():
         try:
             call()
@@ -392,12 +398,17 @@ def test_wrong_argument_types_name_the_argument_on_every_rank(world) -> None:
     expect = {"full_sd_list": ("full_sd must be a Mapping", "got list"),
               "model_dict": ("model must be a torch.nn.Module", "got dict"),
               "gather_model": ("model must be a torch.nn.Module", "got str"),
-              "model_on_rank1": ("model must be a torch.nn.Module", "got NoneType", "(on rank 1)")}
+              "model_on_rank1": ("model must be a torch.nn.Module", "got NoneType", "(on rank 1)"),
+              # argument errors of one rank ride in the engine's one metadata exchange (no
+              # agreement of their own): still raised on every rank, naming the failing rank
+              "gather_model_on_rank1": ("model must be a torch.nn.Module", "got list", "(on rank 1)"),
+              "optim_gather_on_rank1": ("opt must be a torch.optim.Optimizer", "got str", "(on rank 1)"),
+              "optim_load_on_rank1": ("model must be a torch.nn.Module", "got int", "(on rank 1)")}
     for rank, cases in enumerate(res):
         for name, parts in expect.items():
             kind, msg = cases[name]
             assert kind == "TypeError", (rank, name, kind, msg)
-            for part in parts if rank == 0 or name != "model_on_rank1" else parts[:2]:
+            for part in parts if rank == 0 or not name.endswith("_on_rank1") else parts[:2]:
                 assert part in msg, (rank, name, msg)
 
 

@@ -404,3 +404,66 @@ def test_loaded_dtensor_device_matches_its_local_tensor(world, tmp_path):
             for name, (dev, local_dev, kind, mesh_dev) in devices.items():
                 assert (kind, mesh_dev) == ("DTensor", mesh_type), (name, mesh_type, how)
                 assert dev == local_dev == "cpu", (name, mesh_type, cpu_offload, how, dev, local_dev)
+
+
+# ---------------------------------------------------------------------------------------------
+# fixed costs (issue 14, point 1): every pre-flight check of a call rides in its ONE metadata
+# exchange, so the only collectives before the first byte moves are that exchange and the first
+# bucket's status agreement
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
+                "gather", "gather_object", "scatter", "scatter_object_list", "reduce", "all_to_all")
+_P2P = ("isend", "irecv", "send", "recv")
+
+
+def _calls_before_data(op: str):
+    """The torch.distributed calls fsdptk makes before its first point-to-point transfer, and the
+    total number of collectives of the call (real calls, counted on the way through)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdptk import gather_cpu_state_dict, load_from_full_model_state_dict
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    load_from_full_model_state_dict(model, ref.state_dict(), "cpu")
+    calls: list[str] = []
+    real = {n: getattr(dist, n) for n in _COLLECTIVES + _P2P}
+
+    def counting(name):
+        def call(*a, **k):
+            calls.append(name)
+            return real[name](*a, **k)
+        return call
+
+    for name in real:
+        setattr(dist, name, counting(name))
+    try:
+        if op == "load":
+            load_from_full_model_state_dict(model, ref.state_dict() if rank == 0 else {}, "cpu",
+                                            broadcast_from_rank0=True)
+            ok = all(torch.equal(p.full_tensor(), q) for p, q in zip(model.parameters(), ref.parameters()))
+        else:
+            got = gather_cpu_state_dict(model, rank == 0)
+            ok = (all(torch.equal(got[k], v) for k, v in ref.state_dict().items()) if rank == 0 else got == {})
+    finally:
+        for name, f in real.items():
+            setattr(dist, name, f)
+    first = next(i for i, c in enumerate(calls) if c in _P2P)
+    return calls[:first], sum(c in _COLLECTIVES for c in calls), ok
+
+
+def test_no_collective_before_the_metadata_exchange(world):
+    for op in ("load", "gather"):
+        for before, collectives, ok in world(2).run(_calls_before_data, op):
+            # was ["all_reduce", "all_gather_object", "all_reduce"]: the argument check had its own
+            assert before == ["all_gather_object", "all_reduce"], (op, before)
+            # then a load agrees once more after its transfers (receivers' unpacking) and once at
+            # the end (the caller's code); a gather only at the end
+            assert collectives == {"load": 4, "gather": 3}[op], (op, collectives)
+            assert ok

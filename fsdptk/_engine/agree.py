@@ -207,6 +207,7 @@ def agree(
     src_rank0: bool = False,
     cast: bool = True,
     extra: Any = None,
+    failed: BaseException | None = None,
 ) -> LoadPlan:
     """Agree on every rank which keys move, with which shapes and dtypes, before any tensor moves.
 
@@ -227,6 +228,10 @@ def agree(
             error); ``False`` keeps the source dtype (no dtype check).
         extra: the caller's own pre-flight view (any picklable value), carried in the same object
             exchange so that a call needs no second one; every rank's is in ``plan.extras``.
+        failed: the caller's own pre-flight error on this rank (a bad argument), carried in the
+            same exchange: every rank then raises the lowest failing rank's error, and a caller
+            needs no agreement of its own before this one. ``targets`` and ``source`` are not
+            looked at on a rank that passes it.
 
     Returns:
         LoadPlan: ``keys`` (in target order), ``missing``, ``unexpected``, ``metas``, ``extras``.
@@ -235,6 +240,7 @@ def agree(
         ValueError: on every rank, listing each shape mismatch (key and both shapes), each float
             into integer target (key and both dtypes), targets or sources that differ between ranks.
         TypeError: on every rank, when the only problems are non-tensor values (key and type).
+        Exception: ``failed`` (the lowest failing rank's), on every rank.
 
     Example:
         >>> import torch
@@ -245,9 +251,11 @@ def agree(
     """
     world, rank = _world()
     entries: list[tuple[str, Layout]] = []
-    source = as_source(source)
-    fp, check, layout, error = None, None, None, None
+    fp, check, layout, error = None, None, None, failed
     try:  # local work: a failure here (a lazy source raising, a bad target) is agreed below
+        if failed is not None:
+            raise failed
+        source = as_source(source)
         entries = [_entry(fqn, t) for fqn, t in targets]
         seen: set[str] = set()
         dupes = [f for f, _ in entries if f in seen or seen.add(f)]  # type: ignore[func-returns-value]

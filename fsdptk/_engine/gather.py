@@ -51,6 +51,7 @@ def collect(
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     retained: bool = False,
+    failed: BaseException | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Turn local shards into full CPU tensors on rank 0, one bucket at a time.
 
@@ -73,6 +74,9 @@ def collect(
         retained: the caller keeps every bucket (it builds the whole state dict), so the full
             tensors are not counted toward ``bucket_bytes``, only the packed pieces: large dim-0
             shards received into place then move in few buckets, with few status agreements.
+        failed: the caller's own pre-flight error on this rank (a bad argument), carried in the
+            metadata exchange so that every rank raises the lowest failing rank's error with no
+            agreement of the caller's own; ``items`` is not looked at on a rank that passes it.
 
     Returns:
         Iterator[list[tuple[str, torch.Tensor]]]: buckets; every rank must exhaust the generator.
@@ -82,6 +86,7 @@ def collect(
         Exception: any rank's failure (reading a shard, the caller's thrown-in error), on every
             rank: the lowest failing rank's error, named after that rank.
         RuntimeError: the communication itself failed (a rank died), naming the operation.
+        Exception: ``failed`` (the lowest failing rank's), on every rank.
 
     Example:
         >>> import torch
@@ -92,8 +97,10 @@ def collect(
     world, rank = _world()
     views: list[tuple[Layout | None, Box | None, str | None]] = []
     problems: list[tuple[str, str]] = []
-    fp, error = None, None
+    fp, error = None, failed
     try:  # local work: a failure here is agreed below, with the metadata
+        if failed is not None:
+            raise failed
         items = list(items)
         views = [_collect_view(t, rank) for _, t in items]
         problems = [("ValueError", f"{fqn!r} {p}") for (fqn, _), (_, _, p) in zip(items, views) if p]
