@@ -23,6 +23,8 @@ from fsdptk import (
 )
 from fsdptk.testing import RemoteError
 
+from _counting import OBJECT_COLLECTIVES, counted
+
 try:  # in the test extra; only the Hugging Face tests need it
     import transformers
 except ImportError:  # pragma: no cover
@@ -498,23 +500,8 @@ def _object_collectives_of_a_buffer_broadcast():
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
-    calls = []
-    names = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
-    inner = {n: getattr(dist, n) for n in names}
-
-    def counted(n):
-        def f(*a, **k):
-            calls.append(n)
-            return inner[n](*a, **k)
-        return f
-
-    for n in names:
-        setattr(dist, n, counted(n))
-    try:
+    with counted(OBJECT_COLLECTIVES) as calls:
         load_from_full_model_state_dict(model, ref.state_dict() if rank == 0 else {}, "cpu", broadcast_from_rank0=True)
-    finally:
-        for n in names:
-            setattr(dist, n, inner[n])
     return calls, _same_buffers(model, ref)
 
 

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from _counting import OBJECT_COLLECTIVES, counted
 from fsdptk.testing.strategies import build_module, module_names, module_specs, random_state_dict
 
 N_STEPS, M_STEPS = 3, 3
@@ -434,26 +435,11 @@ def test_release_sd_and_strict_false(world):
 # ---------------------------------------------------------------------------------------------
 # fixed costs: one object collective per call before data moves (issue 14, point 2)
 
-_OBJECT_COLLECTIVES = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list")
-
-
 def _count_object_collectives(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` with torch.distributed's object collectives counted (real calls)."""
-    calls, real = [], {n: getattr(dist, n) for n in _OBJECT_COLLECTIVES}
-
-    def counting(name):
-        def call(*a, **k):
-            calls.append(name)
-            return real[name](*a, **k)
-        return call
-
-    for name in _OBJECT_COLLECTIVES:
-        setattr(dist, name, counting(name))
-    try:
-        return fn(*args, **kwargs), calls
-    finally:
-        for name, f in real.items():
-            setattr(dist, name, f)
+    with counted(OBJECT_COLLECTIVES) as calls:
+        out = fn(*args, **kwargs)
+    return out, calls
 
 
 def _object_collectives(bcast, layout):

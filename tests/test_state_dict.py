@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fsdptk.testing import RemoteError
+
+from _counting import counted
 from fsdptk.testing.strategies import build_module, module_names, module_specs, random_state_dict
 
 # ---------------------------------------------------------------------------------------------
@@ -432,28 +434,16 @@ def _calls_before_data(op: str):
         fully_shard(layer)
     fully_shard(model)
     load_from_full_model_state_dict(model, ref.state_dict(), "cpu")
-    calls: list[str] = []
-    real = {n: getattr(dist, n) for n in _COLLECTIVES + _P2P}
-
-    def counting(name):
-        def call(*a, **k):
-            calls.append(name)
-            return real[name](*a, **k)
-        return call
-
-    for name in real:
-        setattr(dist, name, counting(name))
-    try:
+    with counted(_COLLECTIVES + _P2P) as calls:
         if op == "load":
             load_from_full_model_state_dict(model, ref.state_dict() if rank == 0 else {}, "cpu",
                                             broadcast_from_rank0=True)
-            ok = all(torch.equal(p.full_tensor(), q) for p, q in zip(model.parameters(), ref.parameters()))
         else:
             got = gather_cpu_state_dict(model, rank == 0)
-            ok = (all(torch.equal(got[k], v) for k, v in ref.state_dict().items()) if rank == 0 else got == {})
-    finally:
-        for name, f in real.items():
-            setattr(dist, name, f)
+    if op == "load":
+        ok = all(torch.equal(p.full_tensor(), q) for p, q in zip(model.parameters(), ref.parameters()))
+    else:
+        ok = all(torch.equal(got[k], v) for k, v in ref.state_dict().items()) if rank == 0 else got == {}
     first = next(i for i, c in enumerate(calls) if c in _P2P)
     return calls[:first], sum(c in _COLLECTIVES for c in calls), ok
 
