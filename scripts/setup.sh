@@ -1,23 +1,61 @@
 #!/usr/bin/env bash
-# Create (or reuse) ./.venv with fsdptk and what it needs. Safe to run again: it installs only what
-# is missing. torch is pinned to 2.13.0 (CPU build) when absent, because an unpinned `torch` pulls a
-# multi-GB CUDA build; any torch>=2.13 that is already in the venv is kept.
+# Create (or reuse) the virtual environment of one test leg (scripts/legs.env) with fsdptk and
+# what it needs. Safe to run again: it installs only what is missing.
+#
+# Usage: bash scripts/setup.sh [EXTRAS]              the pinned leg, ./.venv (what demo.sh uses)
+#        FSDPTK_LEG=newest bash scripts/setup.sh test   the newest leg, ./.venv-newest
+#
+# pinned: Python $PINNED_PYTHON (python3 where that is not installed; PYTHON=... to choose), torch
+#         and every other dependency at the floor pyproject.toml declares (scripts/floors.txt);
+#         torch 2.13.0 is the CPU build (an unpinned `torch` pulls a multi-GB CUDA build).
+# newest: Python $NEWEST_PYTHON and torch $NEWEST_TORCH, the newest release of everything else.
+#         pip on this project's machines is capped below that torch by a constraint file
+#         (PIP_CONSTRAINT); the cap is lifted for this environment's installs only. PyPI serves a
+#         CUDA build of torch for Linux (about 4 GB with its CUDA libraries; it runs on the CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/legs.env
+LEG="${FSDPTK_LEG:-pinned}"
 EXTRAS="${1:-}"
-PY="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-    "$PY" -c 'import sys; assert sys.version_info >= (3, 10), "fsdptk needs Python >= 3.10, found " + sys.version.split()[0]'
-    "$PY" -m venv .venv
-fi
-VPY=.venv/bin/python
 export PIP_DISABLE_PIP_VERSION_CHECK=1
+case "$LEG" in
+    pinned) VENV=.venv; WANT="$PINNED_PYTHON" ;;
+    newest) VENV=.venv-newest; WANT="$NEWEST_PYTHON" ;;
+    *) echo "[setup] FSDPTK_LEG must be pinned or newest, got '$LEG'" >&2; exit 2 ;;
+esac
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+    if ! PY="$(bash scripts/find_python.sh "$WANT")"; then
+        if [ "$LEG" = newest ]; then
+            echo "[setup] the newest leg needs Python $WANT and none is installed (set PYTHON=...)" >&2
+            exit 1
+        fi
+        PY=python3
+    fi
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -c 'import sys; assert sys.version_info >= (3, 11), "fsdptk needs Python >= 3.11, found " + sys.version.split()[0]'
+    echo "[setup] creating $VENV with $("$PY" -c 'import sys; print("Python", sys.version.split()[0])')"
+    "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+if [ "$LEG" = pinned ]; then
+    PINS=(-c scripts/floors.txt)
+    TORCH="torch==$(sed -n 's/^torch==//p' scripts/floors.txt)"
+else
+    # an empty constraint file (an empty PIP_CONSTRAINT value does not lift a configured one)
+    NOCAP="$(mktemp)"
+    trap 'rm -f "$NOCAP"' EXIT
+    export PIP_CONSTRAINT="$NOCAP"
+    PINS=()
+    TORCH="torch==$NEWEST_TORCH"
+fi
 if ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
-    echo "[setup] installing torch==2.13.0"
-    "$VPY" -m pip install -q torch==2.13.0
+    echo "[setup] installing $TORCH into $VENV"
+    "$VPY" -m pip install -q "${PINS[@]}" "$TORCH"
 fi
 if ! "$VPY" -c 'import fsdptk, safetensors, torchao, tqdm' >/dev/null 2>&1 || [ -n "$EXTRAS" ]; then
-    echo "[setup] installing fsdptk${EXTRAS:+[$EXTRAS]} (editable)"
-    "$VPY" -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
+    echo "[setup] installing fsdptk${EXTRAS:+[$EXTRAS]} (editable) into $VENV"
+    "$VPY" -m pip install -q "${PINS[@]}" -e ".${EXTRAS:+[$EXTRAS]}"
 fi
 "$VPY" -c 'import fsdptk' || { echo "[setup] fsdptk failed to import" >&2; exit 1; }

@@ -1,21 +1,41 @@
 #!/usr/bin/env bash
-# Quickstart command 2 (and what .ci/run runs): set up ./.venv and run the whole test suite: the
-# main suite (tests/) in ./.venv, then the torchtune parity suite (tests_peers/) in ./.venv-peers
-# (torchtune 0.6.1, torchao 0.14.1, accelerate; created by benchmarks/setup_peers.sh).
+# Quickstart command 2 (and what .ci/run runs): the whole test suite, on both legs of
+# scripts/legs.env. Each leg sets up its own environment (scripts/setup.sh) first:
+#   pinned  ./.venv: the main suite (tests/) on the oldest supported Python with every dependency
+#           at its declared floor; then the torchtune parity suite (tests_peers/) in ./.venv-peers
+#           (torchtune 0.6.1, torchao 0.14.1, accelerate; created by benchmarks/setup_peers.sh)
+#   newest  ./.venv-newest: the main suite on the newest Python with the newest torch release
 #
-# Usage: bash scripts/test.sh [--no-peers] [pytest args for the main suite...]
-#   --no-peers   only the main suite (no ./.venv-peers), e.g. for a quick local run
+# Usage: bash scripts/test.sh [--leg pinned|newest|all] [--no-peers] [pytest args for the main suite...]
+#   --leg L      run one leg only (default: all, pinned first)
+#   --no-peers   skip the torchtune parity suite, e.g. for a quick local run
 set -euo pipefail
 cd "$(dirname "$0")/.."
+LEGS="pinned newest"
 PEERS=1
-if [ "${1:-}" = "--no-peers" ]; then
-    PEERS=0
-    shift
-fi
-bash scripts/setup.sh test
-.venv/bin/python -m pytest -q "$@"
-if [ "$PEERS" = 1 ]; then
-    echo "[test] torchtune parity suite: setting up .venv-peers"
-    bash benchmarks/setup_peers.sh || { echo "[test] benchmarks/setup_peers.sh failed" >&2; exit 1; }
-    .venv-peers/bin/python -m pytest -q tests_peers
-fi
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --no-peers) PEERS=0; shift ;;
+        --leg)
+            case "${2:-}" in
+                pinned|newest) LEGS="$2" ;;
+                all) LEGS="pinned newest" ;;
+                *) echo "[test] --leg takes pinned, newest or all, got '${2:-}'" >&2; exit 2 ;;
+            esac
+            shift 2 ;;
+        *) break ;;
+    esac
+done
+for LEG in $LEGS; do
+    VENV=.venv
+    [ "$LEG" = newest ] && VENV=.venv-newest
+    echo "[test] leg '$LEG': setting up $VENV"
+    FSDPTK_LEG="$LEG" bash scripts/setup.sh test
+    "$VENV/bin/python" -c 'import sys, torch; print(f"[test] leg {sys.argv[1]}: Python {sys.version.split()[0]}, torch {torch.__version__}")' "$LEG"
+    FSDPTK_LEG="$LEG" "$VENV/bin/python" -m pytest -q "$@"
+    if [ "$LEG" = pinned ] && [ "$PEERS" = 1 ]; then
+        echo "[test] torchtune parity suite: setting up .venv-peers"
+        bash benchmarks/setup_peers.sh || { echo "[test] benchmarks/setup_peers.sh failed" >&2; exit 1; }
+        .venv-peers/bin/python -m pytest -q tests_peers
+    fi
+done

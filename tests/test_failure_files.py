@@ -14,6 +14,7 @@ import builtins
 import io
 import json
 import os
+import pathlib
 import pickle
 import shutil
 import signal
@@ -24,6 +25,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -123,6 +126,34 @@ def _evil_metadata(d: Path, marker: Path, how: str) -> None:
         obj = safe_reader(d).read_metadata()
         obj.planner_data = {"model.weight": _Exec(code)}
     (d / ".metadata").write_bytes(pickle.dumps(obj))
+
+
+def _pickled_path(module: str, cls: str, text: str) -> bytes:
+    """Protocol-2 pickle bytes of ``module.cls(text)`` as another Python version writes them."""
+    raw = text.encode()
+    return (b"\x80\x02c" + module.encode() + b"\n" + cls.encode() + b"\n"
+            + b"X" + len(raw).to_bytes(4, "little") + raw + b"\x85R.")
+
+
+@settings(max_examples=25, deadline=None)
+@given(module=st.sampled_from(["pathlib", "pathlib._local"]),
+       cls=st.sampled_from(["PosixPath", "PurePosixPath", "Path"]),
+       parts=st.lists(st.text(st.characters(min_codepoint=48, max_codepoint=122), min_size=1,
+                              max_size=8), min_size=1, max_size=4))
+def test_dcp_metadata_paths_read_under_every_python_version(module: str, cls: str,
+                                                            parts: list[str]) -> None:
+    """A checkpoint's pickled paths name ``pathlib`` (up to Python 3.12) or ``pathlib._local``
+    (3.13 on); both resolve to this interpreter's class of that name, and nothing else does."""
+    from fsdptk._files.safe_pickle import MetadataUnpickler
+
+    text = "/" + "/".join(parts)
+    got = MetadataUnpickler(io.BytesIO(_pickled_path(module, cls, text))).load()
+    assert type(got) is type(getattr(pathlib, cls)(text)), (module, cls, type(got))
+    assert str(got) == text
+    # a written checkpoint's own metadata round-trips through the same unpickler
+    assert MetadataUnpickler(io.BytesIO(pickle.dumps(got))).load() == got
+    with pytest.raises(pickle.UnpicklingError, match=f"{module}.os is not a DCP metadata type"):
+        MetadataUnpickler(io.BytesIO(_pickled_path(module, "os", text))).load()
 
 
 @pytest.mark.parametrize("how", ["top-level", "nested"])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import os
+import pathlib
 import pickle
 from pathlib import Path
 from typing import Any
@@ -39,11 +40,15 @@ _ALLOWED: dict[str, frozenset[str]] = {
                                                                     "MEM_FORMAT_ENCODING"}),
     "torch.serialization": frozenset({"_get_layout"}),
     "torch": frozenset({"Size"}),
-    "pathlib": frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
-                          "PureWindowsPath"}),
     "collections": frozenset({"OrderedDict"}),
     "builtins": frozenset({"set", "frozenset", "complex", "slice"}),
 }
+# pathlib's classes, under every module name a Python version pickles them with: ``pathlib`` up to
+# 3.12, ``pathlib._local`` from 3.13 on. They resolve to this interpreter's ``pathlib`` class of
+# that name, so a checkpoint written under one Python version reads under any other.
+_PATH_MODULES = frozenset({"pathlib", "pathlib._local"})
+_PATH_CLASSES = frozenset({"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
+                           "PureWindowsPath"})
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -58,6 +63,8 @@ class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if name in _ALLOWED.get(module, ()):
             return super().find_class(module, name)
+        if module in _PATH_MODULES and name in _PATH_CLASSES:
+            return getattr(pathlib, name)
         if module == "torch" and "." not in name:
             obj = getattr(torch, name, None)
             if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
