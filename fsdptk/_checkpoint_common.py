@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
 
 from fsdptk._dist import is_rank0
 
-Rename = Union[Callable[[str], "str | None"], Mapping[str, str], None]
+Rename = Callable[[str], "str | None"] | Mapping[str, str] | None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -119,7 +119,7 @@ def _parent(fqn: str) -> str:
 def _match(model: nn.Module, rules: Mapping[str, str]) -> dict[str, str]:
     """Concrete module FQN -> style string, transformers' matching (layer numbers -> ``*``)."""
     found: dict[str, str] = {}
-    modules = set()
+    modules: set[str] = set()
     for fqn, _ in model.named_modules():
         modules.update((fqn, _generic(fqn)))
         if (s := rules.get(fqn, rules.get(_generic(fqn)))) is not None:
@@ -175,7 +175,7 @@ def _tie(model: nn.Module, strings: Mapping[str, str],
         for f, n, _ in planned:
             for g, o, other in group:
                 if (g, o) != (f, n):
-                    styles[f].tie(n, other, o)
+                    cast(_KeepTied, styles[f]).tie(n, other, o)
 
 
 def _heads(model: nn.Module, attn: nn.Module) -> tuple[int, int] | None:
@@ -305,7 +305,7 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str
     if sequence_parallel:
         _sequence_parallel(model, strings, styles, attn_heads)
     _tie(model, strings, styles)
-    return {f: styles[f] for f in modules if styles.get(f) is not None}
+    return {f: style for f in modules if (style := styles.get(f)) is not None}
 
 
 # --------------------------------------------------------------------- per-rank bytes (planner)
@@ -364,7 +364,7 @@ def describe_hf_2d(model: nn.Module, shard_conditions: Any, *, world_size: int, 
         if callable(check):
             check(module, tp, fqn)
         for pname, dim in _tp_shard_dims(style, module, tp).items():
-            param = module._parameters[pname]
+            param: Any = module._parameters[pname]
             shape = torch.empty(param.shape, device="meta").chunk(tp, dim=dim)[0].shape
             param.to_local = lambda shape=shape: torch.empty(shape, device="meta")
     return describe_sharding(model, shard_conditions, world_size=world_size // tp)

@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -54,7 +55,9 @@ def _place(style: _KeepTied, module: nn.Module, mesh: DeviceMesh,
 class _KeepTied:
     """Mixin: ``tied`` maps a parameter name to the (module, name) pairs sharing it."""
 
-    tied: dict[str, list[tuple[nn.Module, str]]] = {}
+    # never mutated: tie() assigns a new dict to the instance
+    tied: dict[str, list[tuple[nn.Module, str]]] = {}  # noqa: RUF012
+    src_data_rank: int | None  # set by the ParallelStyle it is mixed into
 
     def tie(self, pname: str, other: nn.Module, oname: str) -> None:
         """Record that this module's ``pname`` is ``other.<oname>`` (one tied Parameter)."""
@@ -88,7 +91,7 @@ class RowwiseKeepTied(_KeepTied, RowwiseParallel):
                 and last.dim in (-1, x.ndim - 1)):
             shape = (*x.shape[:-1], mod.in_features)
             stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-            x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False, shape=shape,
+            x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False, shape=torch.Size(shape),
                                    stride=stride)
         return RowwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod,
                                                  (x, *inputs[1:]), device_mesh)
@@ -121,7 +124,7 @@ class ReplicatedPartialGrad(ParallelStyle):
         saved: list[dict[str, Any]] = []
 
         def to_local(mod: nn.Module, args: Any) -> None:
-            own = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)}
+            own: dict[str, Any] = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)}
             saved.append(own)
             for n, p in own.items():
                 mod._parameters[n] = p.to_local(grad_placements=[Partial()])
@@ -173,7 +176,7 @@ class HFAttentionHeads(ParallelStyle):
                              "replicated KV heads, but the module has no int "
                              "'num_key_value_groups' to set to its per-rank value.")
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def _apply(self, module: Any, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
         self._check(module, tp)
         if self.num_kv_heads < tp:  # one (replicated) KV head per rank

@@ -256,7 +256,7 @@ class StateSource(Mapping[str, Any]):
 
     def __delitem__(self, name: str) -> None:
         fqn, key = self._where[name]
-        del self._state[fqn][key]  # type: ignore[attr-defined]
+        del self._state[fqn][key]  # type: ignore[attr-defined]  # the caller's per-parameter dicts (a Mapping type)
 
     def holds(self, name: str) -> bool:
         """Whether ``self[name]`` is a tensor held in plain dicts (the engine's

@@ -354,7 +354,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 # convert
 def _cmd_convert(args: argparse.Namespace) -> int:
     from fsdptk import checkpoint as ckpt
-
     from fsdptk._files.paths import check_disjoint
 
     src, dst = Path(args.src), Path(args.dst)

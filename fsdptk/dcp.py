@@ -235,7 +235,7 @@ def save_dcp(
         if staging is not None:
             staging.abort()
         raise
-    run_agreed(lambda: staging.commit(), on=staging is not None)
+    run_agreed(lambda: staging.commit() if staging is not None else None, on=staging is not None)
     return path
 
 

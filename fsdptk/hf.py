@@ -167,7 +167,7 @@ def _stage_hf_config(model: nn.Module, directory: PathLike, *, dtype: torch.dtyp
             config.to_json_file(str(stage / "config.json"))
         gen = getattr(model, "generation_config", None)
         can_generate = getattr(model, "can_generate", None)
-        if hasattr(gen, "save_pretrained") and (can_generate is None or can_generate()):
+        if gen is not None and hasattr(gen, "save_pretrained") and (can_generate is None or can_generate()):
             gen.save_pretrained(stage)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -120,7 +120,8 @@ def nf4_block_sizes(tensor: torch.Tensor) -> tuple[int, int]:
         >>> nf4_block_sizes(to_nf4(torch.randn(16, 64), 64, 8))
         (64, 8)
     """
-    return int(tensor.block_size), int(tensor.scaler_block_size)
+    nf4: Any = tensor  # an NF4Tensor: torchao adds these attributes
+    return int(nf4.block_size), int(nf4.scaler_block_size)
 
 
 def quantize_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -168,7 +169,8 @@ def dequantize(tensor: torch.Tensor) -> torch.Tensor:
         >>> dequantize(to_nf4(torch.randn(16, 64), 64, 8)).shape
         torch.Size([16, 64])
     """
-    return tensor.get_original_weight()
+    nf4: Any = tensor  # an NF4Tensor
+    return nf4.get_original_weight()
 
 
 def chunk(tensor: torch.Tensor, path: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -222,7 +224,7 @@ def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
         >>> [t.dtype for t in inner_tensors(to_nf4(torch.randn(16, 64), 64, 8))][0]
         torch.uint8
     """
-    names, _ = tensor.__tensor_flatten__()
+    names, _ = cast(Any, tensor).__tensor_flatten__()
     return [getattr(tensor, n) for n in names]
 
 
@@ -243,7 +245,7 @@ def from_inner_tensors(parts: Sequence[torch.Tensor], like: torch.Tensor) -> tor
         >>> dequantize(from_inner_tensors(inner_tensors(q), q)).equal(dequantize(q))
         True
     """
-    names, ctx = like.__tensor_flatten__()
+    names, ctx = cast(Any, like).__tensor_flatten__()
     ctx = dict(ctx)
     meta = ctx.get("tensor_meta")
     if meta is not None and parts and hasattr(meta, "_replace"):
@@ -253,4 +255,4 @@ def from_inner_tensors(parts: Sequence[torch.Tensor], like: torch.Tensor) -> tor
 
         ctx["tensor_meta"] = dataclasses.replace(meta, device=parts[0].device)
     inner = dict(zip(names, parts))
-    return type(like).__tensor_unflatten__(inner, ctx, like.size(), like.stride())
+    return cast(Any, type(like)).__tensor_unflatten__(inner, ctx, like.size(), like.stride())

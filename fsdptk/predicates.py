@@ -25,8 +25,8 @@ Example:
 from __future__ import annotations
 
 import fnmatch
-from functools import partial
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 from torch import nn

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
-from typing import Any, Union
+from typing import Any, cast
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -32,7 +32,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 __all__ = ["build_tp_plan", "llama_tp_plan", "ReplicatedKVColwise", "GatherSequence", "LLAMA_NAMES"]
 
-Pattern = Union[str, Callable[[str, nn.Module], bool]]
+Pattern = str | Callable[[str, nn.Module], bool]
 
 # role -> leaf names, for Llama-style blocks (Meta/torchtitan, torchtune, Hugging Face)
 LLAMA_NAMES: dict[str, tuple[str, ...]] = {
@@ -223,7 +223,7 @@ class ReplicatedKVColwise(ParallelStyle):
             colwise = ColwiseParallel(input_layouts=self.input_layouts)
             colwise.src_data_rank = self.src_data_rank
             return colwise._apply(module, device_mesh)
-        head_dim, rep = module.out_features // kv, tp // kv
+        head_dim, rep = cast(nn.Linear, module).out_features // kv, tp // kv
         in_layout = self.input_layouts or Replicate()
 
         def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
@@ -239,7 +239,7 @@ class ReplicatedKVColwise(ParallelStyle):
                 x = x.redistribute(placements=(Replicate(),))
             return x
 
-        def prepare_output(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> Any:
+        def prepare_output(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
             lead = out.shape[:-1]
             heads = out.view(*lead, kv, 1, head_dim).expand(*lead, kv, rep, head_dim)
             heads = heads.reshape(*lead, tp, head_dim).redistribute(placements=(Shard(len(lead)),))

@@ -94,7 +94,7 @@ class MappingSource:
     def release(self, key: str) -> None:
         if hasattr(self.mapping, "__delitem__"):
             try:
-                del self.mapping[key]  # type: ignore[attr-defined]
+                del self.mapping[key]
             except (KeyError, TypeError, NotImplementedError):
                 pass
 

@@ -244,7 +244,7 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         for file in files:
             handle = _open(file, "")
             self._handles[file] = handle
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
                 if key in self._file_of:
                     raise CheckpointError(f"key {key!r} is in both {str(self._file_of[key])!r} and "
                                           f"{str(file)!r}")
