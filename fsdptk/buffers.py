@@ -465,7 +465,7 @@ def materialize(
         (True, 0.0)
     """
     device = torch.device(device)
-    from fsdptk._dist import raise_problems as _raise
+    from fsdptk._core.dist import raise_problems as _raise
 
     todo = _meta_nonpersistent(model)
     values, failed = _recompute(model, todo, init_buffers)

@@ -25,19 +25,19 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
-from fsdptk._checkpoint_common import Rename, infer_device, progress_bar, rename_keys, trim_heap
-from fsdptk._dist import all_gather_object, is_rank0, raise_if_any, run_agreed
+from fsdptk._core.dist import all_gather_object, is_rank0, raise_if_any, run_agreed
+from fsdptk._core.names import tie_groups
 from fsdptk._engine import bucket_size
+from fsdptk._engine.sources import SliceSource
+from fsdptk._files.common import Rename, infer_device, progress_bar, rename_keys, trim_heap
 from fsdptk._files.lock import CheckpointLockedError
 from fsdptk._files.safetensors_io import (
     INDEX_SUFFIX,
     CheckpointError,
     SafetensorsCheckpoint,
-    SliceSource,
     parse_size,
 )
 from fsdptk._files.safetensors_writer import ShardedWriter, plan_shards
-from fsdptk._names import tie_groups
 from fsdptk.dcp import (
     convert_dcp_to_safetensors,
     convert_safetensors_to_dcp,

@@ -12,7 +12,7 @@ files are symlinks into ``blobs/``).
   accelerate use for FSDP auto-wrapping.
 - :func:`save_hf_config`: ``config.json`` (and ``generation_config.json``) as ``save_pretrained``
   writes them; :func:`fsdptk.save_safetensors` does this itself for a model with an HF config.
-- :func:`hf_tp_plan` (defined in ``fsdptk._hf_tp``): the model's own tensor-parallel plan as
+- :func:`hf_tp_plan` (defined in ``fsdptk._plans.hf_tp``): the model's own tensor-parallel plan as
   DTensor ``ParallelStyle`` objects for :func:`fsdptk.apply_tp` (see docs/hf_2d.md).
 
 Example:
@@ -287,4 +287,4 @@ def hf_meta_model(
     raise AssertionError  # unreachable
 
 
-from fsdptk._hf_tp import hf_tp_plan  # noqa: E402,F401  (the HF plan translation, re-exported)
+from fsdptk._plans.hf_tp import hf_tp_plan  # noqa: E402,F401  (the HF plan translation, re-exported)

@@ -24,11 +24,11 @@ import torch
 from torch import nn
 
 from fsdptk import _engine
-from fsdptk._compat import IncompatibleKeys as _IncompatibleKeys
-from fsdptk._compat import local_tensor
-from fsdptk._dist import agreed, check_comm_device, check_rank_zero, check_type, is_rank0
+from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
+from fsdptk._core.compat import local_tensor
+from fsdptk._core.dist import agreed, check_comm_device, check_rank_zero, check_type, is_rank0
 from fsdptk._engine import bucket_size, check_source, layout_of, merge_checks
-from fsdptk._optim_layout import (
+from fsdptk._plans.optim_layout import (
     PARAMS,
     PG,
     STATE,

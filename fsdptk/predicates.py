@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from fsdptk._names import clean_fqn
+from fsdptk._core.names import clean_fqn
 
 __all__ = [
     "get_shard_conditions",

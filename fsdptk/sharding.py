@@ -29,8 +29,8 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from fsdptk._dist import has_process_group, log_rank0, world
-from fsdptk._sharding_plan import (
+from fsdptk._core.dist import has_process_group, log_rank0, world
+from fsdptk._plans.sharding import (
     ShardConditionError,
     ShardingPlan,
     UnitPlan,

@@ -16,12 +16,19 @@ from torch import nn
 
 from fsdptk import _engine
 from fsdptk import buffers as _buffers
-from fsdptk._compat import IncompatibleKeys as _IncompatibleKeys
-from fsdptk._dist import all_gather_object, check_comm_device, check_rank_zero, check_type, is_rank0, raise_problems
-from fsdptk._dist import world as _world
+from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
+from fsdptk._core.dist import (
+    all_gather_object,
+    check_comm_device,
+    check_rank_zero,
+    check_type,
+    is_rank0,
+    raise_problems,
+)
+from fsdptk._core.dist import world as _world
+from fsdptk._core.names import tensor_groups
 from fsdptk._engine import TensorMeta, bucket_size
 from fsdptk._engine.sources import as_source
-from fsdptk._names import tensor_groups
 from fsdptk.buffers import BUFFER_INIT_HOOKS, BufferInit
 from fsdptk.errors import StateDictMismatchError
 

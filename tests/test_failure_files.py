@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import fsdptk._files.commit as commit
-from fsdptk._checkpoint_common import rename_keys
+from fsdptk._files.common import rename_keys
 from fsdptk._files.lock import CheckpointLockedError, DirectoryLock
 from fsdptk._files.safetensors_writer import ShardedWriter
 from fsdptk.checkpoint import (

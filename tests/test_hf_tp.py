@@ -23,7 +23,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from fsdptk import hf_tp_plan  # noqa: E402
-from fsdptk._hf_tp import REFUSED, TRANSLATED, describe_hf_2d  # noqa: E402
+from fsdptk._plans.hf_tp import REFUSED, TRANSLATED, describe_hf_2d  # noqa: E402
 from fsdptk.predicates import no_split_modules  # noqa: E402
 
 _LR, _STEPS, _BATCH, _SEQ = 1e-3, 3, 4, 8

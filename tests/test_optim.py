@@ -636,7 +636,7 @@ def test_state_held_in_plain_dicts_is_known_to_the_engine_as_held():
     from types import MappingProxyType
 
     from fsdptk._engine.sources import as_source
-    from fsdptk._optim_layout import StateSource
+    from fsdptk._plans.optim_layout import StateSource
 
     t = torch.ones(4, 2)
     rows = [("state.w.exp_avg", "w", "exp_avg")]

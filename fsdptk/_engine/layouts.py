@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdptk import nf4 as _nf4
-from fsdptk._compat import StridedShard, dtensor_like, get_shard_size_and_offsets, local_tensor
+from fsdptk._core import nf4 as _nf4
+from fsdptk._core.compat import StridedShard, dtensor_like, get_shard_size_and_offsets, local_tensor
 
 # A box is one rank's piece of a full tensor: per dim either a ``slice(start, stop)`` or a tuple of
 # indices (only _StridedShard produces non-contiguous index sets).

@@ -107,7 +107,7 @@ def _forget_old_meshes() -> None:
     tensors an output spec that still names a group of the destroyed process group ("Could not
     resolve the process group registered under the name N").
     """
-    from fsdptk._compat import clear_dtensor_caches
+    from fsdptk._core.compat import clear_dtensor_caches
 
     clear_dtensor_caches()
 

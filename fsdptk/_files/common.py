@@ -1,6 +1,6 @@
 """Small pieces shared by the checkpoint modules: key renaming, the model's device, heap trimming,
-progress bars. (Agreeing on errors across ranks is :mod:`fsdptk._dist`; tied-parameter groups are
-:mod:`fsdptk._names`.)
+progress bars. (Agreeing on errors across ranks is :mod:`fsdptk._core.dist`; tied-parameter groups are
+:mod:`fsdptk._core.names`.)
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdptk._dist import is_rank0
+from fsdptk._core.dist import is_rank0
 
 Rename = Callable[[str], "str | None"] | Mapping[str, str] | None
 

@@ -2,7 +2,7 @@
 
 Only cheap imports happen at module import (DTensor's placement math, already loaded with
 ``torch.distributed.tensor``); the composable-API and cache helpers are imported when called.
-torchao is imported only by :mod:`fsdptk.nf4`, lazily.
+torchao is imported only by :mod:`fsdptk._core.nf4` (public as :mod:`fsdptk.nf4`), lazily.
 """
 
 from __future__ import annotations

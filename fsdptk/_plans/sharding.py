@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdptk._names import clean_fqn, param_owners
+from fsdptk._core.names import clean_fqn, param_owners
 from fsdptk.predicates import ShardCondition, describe_predicate
 
 __all__ = ["ShardingPlan", "UnitPlan", "describe_sharding"]

@@ -10,7 +10,7 @@ layouts, keyed by the model's concrete module FQNs, so the plan goes through
 data-parallel mesh.
 
 Each string becomes torch's style with the same layouts (the table is in ``docs/hf_2d.md``; the
-classes fsdptk adds are in :mod:`fsdptk._hf_tp_styles`):
+classes fsdptk adds are in :mod:`fsdptk._plans.hf_tp_styles`):
 ``colwise*`` / ``rowwise*`` / ``embedding_*`` are :class:`ColwiseKeepTied` /
 :class:`RowwiseKeepTied` (torch's classes, keeping a tied weight one Parameter),
 ``sequence_parallel`` is ``SequenceParallel``, ``replicated_with_grad_allreduce`` is
@@ -46,14 +46,14 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from fsdptk._hf_tp_styles import (
+from fsdptk._core.names import param_owners
+from fsdptk._plans.hf_tp_styles import (
     ColwiseKeepTied,
     HFAttentionHeads,
     ReplicatedPartialGrad,
     RowwiseKeepTied,
     _KeepTied,
 )
-from fsdptk._names import param_owners
 from fsdptk.tp_plan import GatherSequence, ReplicatedKVColwise
 
 __all__ = ["hf_tp_plan", "ColwiseKeepTied", "RowwiseKeepTied", "HFAttentionHeads",
@@ -243,7 +243,7 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str
     ``model.embed_tokens`` -> ``embedding_rowwise``, ``lm_head`` -> ``colwise_gather_output``, ...),
     matches its wildcard rules against the concrete module FQNs the way transformers does (layer
     numbers become ``*``), and translates every style string into torch's styles with the same
-    layouts (see the table in :mod:`fsdptk._hf_tp`). Attention modules whose k/v projections are
+    layouts (see the table in :mod:`fsdptk._plans.hf_tp`). Attention modules whose k/v projections are
     colwise get an :class:`HFAttentionHeads` entry: the head counts are validated by
     :func:`fsdptk.apply_tp` before anything changes, and GQA with fewer KV heads than TP ranks uses
     :class:`~fsdptk.tp_plan.ReplicatedKVColwise`. A tied input embedding / ``lm_head`` (both
