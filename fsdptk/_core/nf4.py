@@ -29,17 +29,6 @@ from typing import Any, cast
 
 import torch
 
-__all__ = [
-    "is_nf4",
-    "to_nf4",
-    "nf4_block_sizes",
-    "quantize_like",
-    "dequantize",
-    "chunk",
-    "inner_tensors",
-    "from_inner_tensors",
-]
-
 _MODULES = ("torchao.quantization", "torchao.dtypes.nf4tensor", "torchao.dtypes")
 
 

@@ -138,7 +138,7 @@ def as_source(obj: Any) -> Source:
     return MappingSource(obj)
 
 
-class SliceSource:
+class SliceSource(MappingSource):
     """A Mapping read through safetensors-style slices, as a source of :mod:`fsdptk._engine`.
 
     ``mapping.get_slice(key)`` returns an object with ``get_shape()``, ``get_dtype()`` (a safetensors
@@ -151,16 +151,7 @@ class SliceSource:
         mapping: the Mapping (``mapping[key]`` reads a full tensor; ``del mapping[key]`` releases).
     """
 
-    def __init__(self, mapping: Any) -> None:
-        self._full = MappingSource(mapping)
-        self.mapping = mapping
-
-    def keys(self) -> Iterable[str]:
-        """The source's keys."""
-        return self.mapping.keys()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.mapping
+    mapping: Any  # a Mapping with get_slice(key)
 
     def meta(self, key: str) -> TensorMeta:
         """Shape and dtype of ``key`` from its slice's header (no data read)."""
@@ -174,9 +165,5 @@ class SliceSource:
     def read(self, key: str, box: Box | None = None) -> torch.Tensor:
         """The full tensor (``box=None``), or its piece at ``box`` read from the slice."""
         if box is None:
-            return self._full.read(key)
+            return super().read(key)
         return extract(self.mapping.get_slice(key), box)
-
-    def release(self, key: str) -> None:
-        """Drop ``key`` from the mapping when it supports ``del``."""
-        self._full.release(key)
