@@ -37,7 +37,7 @@ _LAZY: dict[str, str] = {
     "get_full_optimizer_state_dict": "optim", "load_from_full_optimizer_state_dict": "optim", "iter_full_optimizer_state": "optim", "get_optimizer_param_groups": "optim", "to_fqn_optimizer_state_dict": "optim",
     "hf_meta_model": "hf", "save_hf_config": "hf",
     "prepare_mha_for_tp": "tp", "apply_tp": "tp", "build_tp_plan": "tp_plan", "llama_tp_plan": "tp_plan",
-    "hf_tp_plan": "_hf_tp",
+    "hf_tp_plan": "hf",
     # one exception module (each class also importable from the module that raises it)
     "StateDictMismatchError": "errors", "CheckpointLockedError": "errors",
 }

@@ -22,9 +22,9 @@ from typing import Literal
 
 from torch import nn
 
-from fsdptk._compat import checkpoint_wrapper_api, composable_checkpoint, composable_registry
-from fsdptk._dist import log_rank0
-from fsdptk._sharding_plan import _as_conditions, _is_ancestor, check_unsharded, match_modules
+from fsdptk._core.compat import checkpoint_wrapper_api, composable_checkpoint, composable_registry
+from fsdptk._core.dist import log_rank0
+from fsdptk._plans.sharding import _as_conditions, _is_ancestor, check_unsharded, match_modules
 from fsdptk.predicates import ShardCondition, describe_predicate
 
 __all__ = ["apply_activation_checkpointing"]

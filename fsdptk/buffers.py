@@ -32,13 +32,14 @@ uninitialised memory. This module gives three ways out, all used by fsdptk's loa
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -162,7 +163,8 @@ def params_on_meta() -> Iterator[None]:
         new.requires_grad_(param.requires_grad)
         return new
 
-    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)
+    # torch types the hook as returning None; a returned Parameter replaces the registered one
+    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]
     try:
         yield
     finally:
@@ -207,7 +209,7 @@ def _shadow(module: nn.Module, wanted: Mapping[str, torch.Tensor]) -> nn.Module:
     # object.__new__: FSDPModule.__new__ would re-run the original class's __init__ without args
     s = object.__new__(type(module))
     s.__dict__.update(module.__dict__)
-    s._parameters = {n: None if p is None else _meta_stand_in(p, True)
+    s._parameters = {n: None if p is None else cast(nn.Parameter, _meta_stand_in(p, True))
                      for n, p in module._parameters.items()}
     nonpersistent = module._non_persistent_buffers_set
     bufs: dict[str, torch.Tensor | None] = {}
@@ -238,7 +240,7 @@ def _written(shadow: nn.Module, name: str, holder: torch.Tensor, version: int) -
 
 def _run_rule(module: nn.Module, names: list[str], fn: BufferInit, rule: str) -> _Recomputed | str:
     """Run ``fn`` on a shadow of ``module``; the values of ``names``, or why the rule did not apply."""
-    holders = {n: _placeholder(module._buffers[n]) for n in names}  # type: ignore[arg-type]
+    holders = {n: _placeholder(module._buffers[n]) for n in names}  # type: ignore[arg-type]  # names are registered (non-None) buffers
     versions = {n: h._version for n, h in holders.items()}
     shadow = _shadow(module, holders)
     try:
@@ -253,7 +255,7 @@ def _run_rule(module: nn.Module, names: list[str], fn: BufferInit, rule: str) ->
             unset.append(n)
             continue
         ref = module._buffers[n]
-        values[n] = value.detach().to(dtype=ref.dtype)  # type: ignore[union-attr]
+        values[n] = value.detach().to(dtype=ref.dtype)  # type: ignore[union-attr]  # a registered (non-None) buffer
     if unset:
         return f"{rule} left {unset} unset"
     for n in shadow._non_persistent_buffers_set - set(module._buffers):  # registered by the rule
@@ -290,9 +292,13 @@ def _hf_rule(owner: nn.Module) -> BufferInit:
 
     def run(shadow: nn.Module) -> None:
         with guard() if callable(guard) else nullcontext():
-            owner._init_weights(shadow)  # type: ignore[operator]
+            owner._init_weights(shadow)  # type: ignore[operator]  # an HF PreTrainedModel method nn.Module does not declare
 
     return run
+
+
+def _call_hook(module: nn.Module, name: str) -> None:
+    getattr(module, name)()
 
 
 def _rules(model: nn.Module, mod_name: str, module: nn.Module,
@@ -308,13 +314,13 @@ def _rules(model: nn.Module, mod_name: str, module: nn.Module,
             break
     hook = next((h for h in BUFFER_INIT_HOOKS if callable(getattr(module, h, None))), None)
     if hook is not None:
-        rules.append((f"{kind}.{hook}()", lambda m, h=hook: getattr(m, h)(), False))
+        rules.append((f"{kind}.{hook}()", functools.partial(_call_hook, name=hook), False))
     owner = _hf_owner(model, mod_name)
     if owner is not None:
         rules.append((f"{type(owner).__name__}._init_weights", _hf_rule(owner), False))
     owns_params = any(p is not None for p in module._parameters.values())
     if not owns_params and callable(getattr(module, "reset_parameters", None)):
-        rules.append((f"{kind}.reset_parameters()", lambda m: m.reset_parameters(), False))
+        rules.append((f"{kind}.reset_parameters()", functools.partial(_call_hook, name="reset_parameters"), False))
     return rules
 
 
@@ -459,7 +465,7 @@ def materialize(
         (True, 0.0)
     """
     device = torch.device(device)
-    from fsdptk._dist import raise_problems as _raise
+    from fsdptk._core.dist import raise_problems as _raise
 
     todo = _meta_nonpersistent(model)
     values, failed = _recompute(model, todo, init_buffers)

@@ -20,21 +20,21 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Generator, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
 
-from fsdptk._checkpoint_common import Rename, infer_device, progress_bar, rename_keys, trim_heap
-from fsdptk._dist import all_gather_object, is_rank0, raise_if_any, run_agreed
+from fsdptk._core.dist import all_gather_object, is_rank0, raise_if_any, run_agreed
+from fsdptk._core.names import tie_groups
 from fsdptk._engine import bucket_size
-from fsdptk._names import tie_groups
+from fsdptk._engine.sources import SliceSource
+from fsdptk._files.common import Rename, infer_device, progress_bar, rename_keys, trim_heap
 from fsdptk._files.lock import CheckpointLockedError
 from fsdptk._files.safetensors_io import (
     INDEX_SUFFIX,
     CheckpointError,
     SafetensorsCheckpoint,
-    SliceSource,
     parse_size,
 )
 from fsdptk._files.safetensors_writer import ShardedWriter, plan_shards
@@ -63,10 +63,6 @@ __all__ = [
 ]
 
 PathLike = str | os.PathLike[str]
-
-
-def _bucket(bucket_bytes: int | None) -> dict[str, int]:
-    return {"bucket_bytes": bucket_size(bucket_bytes)}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -221,17 +217,17 @@ def load_safetensors(
     if shard_on_read is not None and not isinstance(shard_on_read, bool):
         raise TypeError(f"shard_on_read must be a bool or None, got {shard_on_read!r}")
     ckpt, shard_on_read = _open_agreed(path, shard_on_read)
-    reads = ckpt is not None
     try:
-        names = run_agreed(lambda: rename_keys(ckpt.keys(), rename, what="checkpoint key"), on=reads)
-        total = sum(ckpt.nbytes(names[k]) for k in names) if reads else 0
+        names = run_agreed(lambda: rename_keys(ckpt.keys() if ckpt is not None else [], rename,
+                                               what="checkpoint key"), on=ckpt is not None)
+        total = sum(ckpt.nbytes(names[k]) for k in names) if ckpt is not None else 0
         with progress_bar(total, f"load {path.name}", progress) as bar:
-            view: Mapping[str, Any] = _ModelView(ckpt, names, bar) if reads else {}
+            view: Mapping[str, Any] = _ModelView(ckpt, names, bar) if ckpt is not None else {}
             return load_from_full_model_state_dict(
                 model, view, infer_device(model) if device is None else torch.device(device),
                 strict=strict, cpu_offload=cpu_offload, release_sd=False,
                 broadcast_from_rank0=not shard_on_read, init_buffers=init_buffers,
-                **_bucket(bucket_bytes))
+                bucket_bytes=bucket_size(bucket_bytes))
     finally:
         if ckpt is not None:
             ckpt.close()
@@ -358,7 +354,7 @@ def save_safetensors(
 
     path = Path(path)
     limit = parse_size(max_shard_size)
-    bucket = _bucket(bucket_bytes)
+    nbytes = bucket_size(bucket_bytes)
     items, out_name, dtypes = _save_items(model, tied, rename, dtype)
     entries = [(out_name[k], dtypes[k], tuple(t.shape)) for k, t in items]
     files = plan_shards(entries, limit)  # validates dtypes on every rank
@@ -378,7 +374,9 @@ def save_safetensors(
 
     writer, config = run_agreed(open_writer, on=is_rank0()) or (None, None)
     try:
-        error, result = _stream(collect(items, **bucket), writer, out_name, dtypes,
+        buckets = cast(Generator[list[tuple[str, torch.Tensor]], None, None],  # collect/distribute are generators (annotated Iterator in the engine)
+                       collect(items, bucket_bytes=nbytes))
+        error, result = _stream(buckets, writer, out_name, dtypes,
                                 progress_bar(writer.total_size if writer else 0, f"save {path.name}",
                                              progress))
     except BaseException:  # the engine failed on every rank: leave nothing behind

@@ -337,7 +337,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if args.tp > 1:  # the model's own TP plan, then FSDP over world_size // tp ranks
             if not hf:
                 raise ValueError("--tp needs a Hugging Face checkpoint directory (its own TP plan)")
-            from fsdptk._hf_tp import describe_hf_2d
+            from fsdptk._plans.hf_tp import describe_hf_2d
 
             plan = describe_hf_2d(model, conditions, world_size=args.world_size, tp=args.tp)
             print(f"Tensor parallel: tp {args.tp} x dp_shard {args.world_size // args.tp} "
@@ -354,7 +354,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 # convert
 def _cmd_convert(args: argparse.Namespace) -> int:
     from fsdptk import checkpoint as ckpt
-
     from fsdptk._files.paths import check_disjoint
 
     src, dst = Path(args.src), Path(args.dst)

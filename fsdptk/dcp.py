@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdptk._checkpoint_common import progress_bar, trim_heap
-from fsdptk._dist import all_gather_object, has_process_group, is_rank0, run_agreed
-from fsdptk._dist import world as _world
+from fsdptk._core.dist import all_gather_object, has_process_group, is_rank0, run_agreed
+from fsdptk._core.dist import world as _world
 from fsdptk._files.commit import dcp_backup, dcp_names, recover_dcp, swap_in_dcp
+from fsdptk._files.common import progress_bar, trim_heap
 from fsdptk._files.lock import DirectoryLock
 from fsdptk._files.paths import check_disjoint
 from fsdptk._files.safe_pickle import safe_load_planner, safe_reader
@@ -235,7 +235,7 @@ def save_dcp(
         if staging is not None:
             staging.abort()
         raise
-    run_agreed(lambda: staging.commit(), on=staging is not None)
+    run_agreed(lambda: staging.commit() if staging is not None else None, on=staging is not None)
     return path
 
 

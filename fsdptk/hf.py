@@ -12,7 +12,7 @@ files are symlinks into ``blobs/``).
   accelerate use for FSDP auto-wrapping.
 - :func:`save_hf_config`: ``config.json`` (and ``generation_config.json``) as ``save_pretrained``
   writes them; :func:`fsdptk.save_safetensors` does this itself for a model with an HF config.
-- :func:`hf_tp_plan` (defined in ``fsdptk._hf_tp``): the model's own tensor-parallel plan as
+- :func:`hf_tp_plan`: the model's own tensor-parallel plan as
   DTensor ``ParallelStyle`` objects for :func:`fsdptk.apply_tp` (see docs/hf_2d.md).
 
 Example:
@@ -32,12 +32,15 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from fsdptk.predicates import no_split_modules
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = ["hf_meta_model", "no_split_modules", "save_hf_config", "hf_config", "hf_tp_plan"]
 
@@ -167,7 +170,7 @@ def _stage_hf_config(model: nn.Module, directory: PathLike, *, dtype: torch.dtyp
             config.to_json_file(str(stage / "config.json"))
         gen = getattr(model, "generation_config", None)
         can_generate = getattr(model, "can_generate", None)
-        if hasattr(gen, "save_pretrained") and (can_generate is None or can_generate()):
+        if gen is not None and hasattr(gen, "save_pretrained") and (can_generate is None or can_generate()):
             gen.save_pretrained(stage)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -287,4 +290,52 @@ def hf_meta_model(
     raise AssertionError  # unreachable
 
 
-from fsdptk._hf_tp import hf_tp_plan  # noqa: E402,F401  (the HF plan translation, re-exported)
+def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """Translate a transformers model's own tensor-parallel plan into DTensor ``ParallelStyle``\\ s.
+
+    Reads ``model.tp_plan`` (the config's ``base_model_tp_plan`` merged with the class's entries:
+    ``model.embed_tokens`` -> ``embedding_rowwise``, ``lm_head`` -> ``colwise_gather_output``, ...),
+    matches its wildcard rules against the concrete module FQNs the way transformers does (layer
+    numbers become ``*``), and translates every style string into torch's styles with the same
+    layouts (see the table in ``docs/hf_2d.md``). Attention modules whose k/v projections are
+    colwise get an :class:`~fsdptk._plans.tp_styles.HFAttentionHeads` entry: the head counts are validated by
+    :func:`fsdptk.apply_tp` before anything changes, and GQA with fewer KV heads than TP ranks uses
+    :class:`~fsdptk.tp_plan.ReplicatedKVColwise`. A tied input embedding / ``lm_head`` (both
+    placed ``Shard(0)`` over the vocabulary) stays one Parameter when the plan is applied.
+
+    With ``sequence_parallel`` the activations between the attention / MLP blocks stay sharded on
+    the sequence dim (its length must divide by the TP size): the embedding reduce-scatters, the
+    norms between blocks are ``SequenceParallel``, each block gathers its input and its rowwise
+    projection reduce-scatters, ``lm_head`` gathers. transformers' plans do not do this themselves.
+
+    The model is only read. Call it on the unsharded model (``meta`` is fine), then
+    ``apply_tp(model, mesh["tp"], plan)`` before activation checkpointing and ``shard_model``.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (any device, including meta).
+        sequence_parallel: shard activations on the sequence dim between blocks.
+
+    Returns:
+        dict[str, ParallelStyle]: exact module FQN -> style, in ``named_modules`` order, for
+        :func:`fsdptk.apply_tp`.
+
+    Raises:
+        TypeError: if ``model`` is not an ``nn.Module``.
+        ValueError: if the model declares no plan; if a style string has no translation (the
+            message names the string and the module FQN) or targets the wrong module type; if a
+            rule names a parameter rather than a module; if a tied parameter would be placed two
+            ways; if ``sequence_parallel`` is asked of a plan without an embedding / output pair
+            around its blocks.
+
+    Example:
+        >>> dims = ParallelDims(dp_shard=2, tp=2)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
+        >>> mesh = dims.build_mesh("cuda")  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
+        >>> plan = hf_tp_plan(model)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
+        >>> plan["model.layers.0.self_attn.q_proj"]  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
+        ColwiseKeepTied(input_layouts=(Replicate(),), output_layouts=(Shard(dim=-1),), ...)
+        >>> apply_tp(model, mesh["tp"], plan)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
+        >>> shard_model(model, no_split_modules(model), cpu_offload=False, dp_mesh=dims.fsdp_mesh)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
+    """
+    from fsdptk._plans.hf_tp import translate_plan
+
+    return translate_plan(model, sequence_parallel=sequence_parallel)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from fsdptk._dist import has_process_group, log_rank0, world
+from fsdptk._core.dist import has_process_group, log_rank0, world
 
 __all__ = ["ParallelDims"]
 

@@ -17,20 +17,30 @@ groups by FQN, never by position, and also accepts a plain single-process ``opt.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from fsdptk import _engine
-from fsdptk._compat import IncompatibleKeys as _IncompatibleKeys
-from fsdptk._compat import local_tensor
-from fsdptk._dist import agreed, check_comm_device, check_rank_zero, check_type, is_rank0
+from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
+from fsdptk._core.compat import local_tensor
+from fsdptk._core.dist import agreed, check_comm_device, check_rank_zero, check_type, is_rank0
 from fsdptk._engine import bucket_size, check_source, layout_of, merge_checks
+from fsdptk._plans.optim_layout import (
+    PARAMS,
+    PG,
+    STATE,
+    LoadView,
+    StateSource,
+    local_osd,
+    optim_groups,
+    param_fqns,
+    plan_load,
+    to_fqn_layout,
+)
 from fsdptk.errors import StateDictMismatchError
-from fsdptk._optim_layout import (PARAMS, PG, STATE, LoadView, StateSource, local_osd, optim_groups, param_fqns,
-                                  plan_load, to_fqn_layout)
 
 __all__ = [
     "get_full_optimizer_state_dict",
@@ -179,7 +189,8 @@ def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int, retained
         return done
 
     arrived: dict[str, torch.Tensor] = {}
-    buckets = _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained, failed=failed)
+    buckets = cast(Generator[list[tuple[str, torch.Tensor]], None, None],  # collect/distribute are generators (annotated Iterator in the engine)
+                   _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained, failed=failed))
     for bucket in buckets:
         try:
             arrived.update(bucket)
@@ -473,8 +484,8 @@ def load_from_full_optimizer_state_dict(
         _check_args(model, opt)
         if reads:
             check_type(full_sd, Mapping, "full_sd", "a Mapping (a full optimizer state dict)")
-        device = torch.device(device)
-        bucket_bytes = bucket_size(bucket_bytes)
+        dev = torch.device(device)
+        nbytes = bucket_size(bucket_bytes)
         ours = optim_groups(model, opt)
         params = {fqn: p for group in ours for fqn, p in group}
         view, saved, mine = (_reader_view(model, ours, full_sd, param_names, broadcast_from_rank0) if reads
@@ -482,6 +493,7 @@ def load_from_full_optimizer_state_dict(
         shapes = {fqn: torch.empty(p.shape, dtype=p.dtype, device="meta") for fqn, p in params.items()}
     except Exception as e:  # noqa: BLE001 - agreed by the engine's exchange just below
         error, params, shapes, mine = e, {}, {}, None
+        dev, nbytes = torch.device("cpu"), 1
     # ONE object exchange before any tensor moves: the engine agrees on the parameters' layouts
     # (the same targets on every rank) and carries each reading rank's view of the state, or its
     # argument error, with them
@@ -493,8 +505,8 @@ def load_from_full_optimizer_state_dict(
     plan = _state_plan(plan, view, verdicts, broadcast_from_rank0)
     source = StateSource(saved, view.tensors)  # per-parameter dicts are the caller's (release)
     # validation is over on every rank: from here on state moves (agreed per bucket by the engine)
-    local = dict(_engine.distribute(plan, source, device=_state_device(ours, device), release=release_sd,
-                                    bucket_bytes=bucket_bytes))
+    local = dict(_engine.distribute(plan, source, device=_state_device(ours, dev), release=release_sd,
+                                    bucket_bytes=nbytes))
     with agreed():  # the optimizer changes only once every rank has built its new state
         new_osd = local_osd(opt, ours, view, local)
     opt.load_state_dict(new_osd)

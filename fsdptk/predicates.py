@@ -25,13 +25,13 @@ Example:
 from __future__ import annotations
 
 import fnmatch
-from functools import partial
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 from torch import nn
 
-from fsdptk._names import clean_fqn
+from fsdptk._core.names import clean_fqn
 
 __all__ = [
     "get_shard_conditions",

@@ -11,7 +11,7 @@ import os
 import torch
 from torch import nn
 
-from fsdptk import _dist
+from fsdptk._core import dist as _dist
 
 __all__ = [
     "is_distributed",

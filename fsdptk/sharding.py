@@ -29,8 +29,8 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
-from fsdptk._dist import has_process_group, log_rank0, world
-from fsdptk._sharding_plan import (
+from fsdptk._core.dist import has_process_group, log_rank0, world
+from fsdptk._plans.sharding import (
     ShardConditionError,
     ShardingPlan,
     UnitPlan,
@@ -229,7 +229,7 @@ def shard_model(
     )
     if forward_prefetch or backward_prefetch:
         units = [u.modules[0] for u in plan.units]
-        _set_prefetch(units, forward_prefetch, backward_prefetch)  # type: ignore[arg-type]
+        _set_prefetch(units, forward_prefetch, backward_prefetch)  # type: ignore[arg-type]  # units are FSDPModules once fully_shard ran
         log_rank0(_log, "shard_model: explicit prefetch over %d units (forward depth %d, backward depth %d)",
                   len(units), forward_prefetch, backward_prefetch)
     return summary

@@ -8,23 +8,29 @@ and gathering streams full tensors to rank 0 bucket by bucket. See ``docs/state_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Generator, Iterator, Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from fsdptk import _engine
 from fsdptk import buffers as _buffers
-from fsdptk._compat import IncompatibleKeys as _IncompatibleKeys
-from fsdptk._dist import (all_gather_object, check_comm_device, check_rank_zero, check_type, is_rank0,
-                          raise_problems)
-from fsdptk._dist import world as _world
+from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
+from fsdptk._core.dist import (
+    all_gather_object,
+    check_comm_device,
+    check_rank_zero,
+    check_type,
+    is_rank0,
+    raise_problems,
+)
+from fsdptk._core.dist import world as _world
+from fsdptk._core.names import tensor_groups
 from fsdptk._engine import TensorMeta, bucket_size
 from fsdptk._engine.sources import as_source
-from fsdptk._names import tensor_groups
-from fsdptk.errors import StateDictMismatchError
 from fsdptk.buffers import BUFFER_INIT_HOOKS, BufferInit
+from fsdptk.errors import StateDictMismatchError
 
 __all__ = [
     "load_from_full_model_state_dict",
@@ -328,13 +334,14 @@ def load_from_full_model_state_dict(
             check_type(full_sd, Mapping, "full_sd", "a Mapping of fqn -> full tensor (a dict, or a "
                        "lazy view such as SafetensorsCheckpoint)" + ("" if reads else "; ranks other "
                        "than 0 may pass {} or None with broadcast_from_rank0=True"))
-        device = torch.device(device)
-        bucket_bytes = bucket_size(bucket_bytes)
+        dev = torch.device(device)
+        nbytes = bucket_size(bucket_bytes)
         targets, aliases = _tensor_groups(model)
         source = _AliasedSource({} if full_sd is None else full_sd, aliases)
         buffers_local = _buffer_local(model, init_buffers)
     except Exception as e:  # noqa: BLE001 - agreed by the exchange just below
-        error, targets, source, buffers_local = e, [], {}, ({}, None)
+        error, targets, source, buffers_local = e, [], _AliasedSource({}, {}), ({}, None)
+        dev, nbytes = torch.device("cpu"), 1
     # ONE object exchange before data moves: this rank's argument error (if any) and the buffers'
     # views travel with the metadata
     plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0, extra=buffers_local[1],
@@ -344,21 +351,21 @@ def load_from_full_model_state_dict(
         _check_strict(model, missing, plan.unexpected)
     recomputed, send = _buffer_plan(model, broadcast_from_rank0, init_buffers, buffers_local, plan.extras)
     # rank 0's buffers first, kept aside: a failure here (agreed on every rank) changes nothing
-    sent = _receive_buffers(model, send, device, plan.extras or [])
+    sent = _receive_buffers(model, send, dev, plan.extras or [])
     # validation is over on every rank: from here on the model changes
     params = {id(p) for p in model.parameters()}
     by_fqn = dict(targets)
     new_sd: dict[str, Any] = {}
-    load_device = torch.device("cpu") if cpu_offload else device
-    values = _engine.distribute(plan, source, device=load_device, release=release_sd,
-                                bucket_bytes=bucket_bytes)
+    load_device = torch.device("cpu") if cpu_offload else dev
+    values = cast(Generator[tuple[str, torch.Tensor], None, None],  # collect/distribute are generators (annotated Iterator in the engine)
+                  _engine.distribute(plan, source, device=load_device, release=release_sd, bucket_bytes=nbytes))
     for fqn, value in values:  # ends only once every rank has every value (agreed status)
         try:
             old = by_fqn[fqn]
             if id(old) in params:
                 value = nn.Parameter(value, requires_grad=old.requires_grad)
             elif cpu_offload:
-                value = value.to(device)
+                value = value.to(dev)
             new_sd[fqn] = value
         except Exception as e:  # noqa: BLE001 - the engine agrees it: every rank raises it
             values.throw(e)
@@ -371,8 +378,8 @@ def load_from_full_model_state_dict(
             if fqn in source:
                 del source[fqn]
     _assign_buffers(model, sent)
-    _buffers._assign(model, recomputed, device)
-    _buffers._move_real_nonpersistent(model, device)
+    _buffers._assign(model, recomputed, dev)
+    _buffers._move_real_nonpersistent(model, dev)
     return _IncompatibleKeys(missing, list(plan.unexpected))
 
 
@@ -447,7 +454,8 @@ def _stream_state(model: nn.Module, bucket_bytes: int | None, adapter_weights_on
         items, groups = _gather_items(model, adapter_weights_only, is_adapter)
     except Exception as e:  # noqa: BLE001 - agreed by collect
         error, items, groups, bucket_bytes = e, [], {}, 1
-    buckets = _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained, failed=error)
+    buckets = cast(Generator[list[tuple[str, torch.Tensor]], None, None],  # collect/distribute are generators (annotated Iterator in the engine)
+                   _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained, failed=error))
     for bucket in buckets:
         try:
             yield [(k, t) for fqn, t in bucket for k in (fqn, *groups.get(fqn, ()))]

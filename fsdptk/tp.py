@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
 
-from fsdptk._dist import log_rank0
+from fsdptk._core.dist import log_rank0
 
 __all__ = ["prepare_mha_for_tp", "apply_tp"]
 

@@ -11,16 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
-from typing import Any, Union
 
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import (
-    DTensor,
     Replicate,
     Shard,
-    distribute_module,
-    distribute_tensor,
 )
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -28,11 +23,12 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
     SequenceParallel,
 )
-from torch.distributed.tensor.placement_types import Placement
+
+from fsdptk._plans.tp_styles import GatherSequence, ReplicatedKVColwise, is_norm
 
 __all__ = ["build_tp_plan", "llama_tp_plan", "ReplicatedKVColwise", "GatherSequence", "LLAMA_NAMES"]
 
-Pattern = Union[str, Callable[[str, nn.Module], bool]]
+Pattern = str | Callable[[str, nn.Module], bool]
 
 # role -> leaf names, for Llama-style blocks (Meta/torchtitan, torchtune, Hugging Face)
 LLAMA_NAMES: dict[str, tuple[str, ...]] = {
@@ -122,139 +118,6 @@ def build_tp_plan(
     return plan
 
 
-class GatherSequence(ParallelStyle):
-    """Turn a module's sequence-sharded input into a replicated DTensor (sequence parallel).
-
-    Like ``PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))``
-    but independent of the module's signature: it converts the first positional tensor argument,
-    or, if there is none, the first tensor keyword argument (Hugging Face calls
-    ``self_attn(hidden_states=...)``). A DTensor input is redistributed; a plain tensor is taken
-    as this rank's ``input_layout`` shard. The module then sees the global shape
-    (``x.shape[1]`` is the full sequence), and its colwise projections need no further gather.
-
-    Args:
-        input_layout: the layout the input arrives in (default ``Shard(1)``).
-        desired_layout: the layout handed to the module (default ``Replicate()``).
-    """
-
-    def __init__(
-        self, *, input_layout: Placement | None = None, desired_layout: Placement | None = None
-    ) -> None:
-        super().__init__()
-        self.input_layout = input_layout or Shard(1)
-        self.desired_layout = desired_layout or Replicate()
-
-    def _convert(self, x: Any, mesh: DeviceMesh) -> Any:
-        if not isinstance(x, DTensor):
-            x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
-        if x.placements != (self.desired_layout,):
-            x = x.redistribute(placements=(self.desired_layout,))
-        return x
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        import torch
-
-        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            for i, a in enumerate(args):
-                if isinstance(a, torch.Tensor):
-                    return (*args[:i], self._convert(a, device_mesh), *args[i + 1 :]), kwargs
-            for k, a in kwargs.items():
-                if isinstance(a, torch.Tensor):
-                    return args, {**kwargs, k: self._convert(a, device_mesh)}
-            raise ValueError(
-                f"GatherSequence: {type(mod).__name__} was called without a tensor input"
-            )
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
-        return module
-
-    def __repr__(self) -> str:
-        return (
-            f"GatherSequence(input_layout={self.input_layout}, "
-            f"desired_layout={self.desired_layout})"
-        )
-
-
-class ReplicatedKVColwise(ParallelStyle):
-    """Colwise K/V projection that also works when there are fewer KV heads than TP ranks.
-
-    With ``num_kv_heads`` divisible by the TP size this is exactly ``ColwiseParallel``. With
-    fewer KV heads (TP size a multiple of ``num_kv_heads``) the weight is replicated over the TP
-    mesh, every rank computes all KV heads (cheap: there are few) and keeps the one its query
-    heads use (rank ``r`` keeps head ``r // (tp / num_kv_heads)``), in DTensor ops so that the
-    weight gradient is the full sum over ranks. Pair with
-    ``prepare_mha_for_tp(..., replicate_kv_heads=True)``. The parameter keeps its full shape,
-    so state dicts are unchanged.
-
-    Args:
-        num_kv_heads: the model's global number of KV heads.
-        input_layouts: layout of the incoming activation (default ``Replicate()``).
-
-    Raises:
-        ValueError: (when applied) if neither the KV head count nor the TP size divides the
-            other, or the module's output features are not a multiple of ``num_kv_heads``.
-    """
-
-    def __init__(self, num_kv_heads: int, *, input_layouts: Placement | None = None):
-        super().__init__()
-        if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0:
-            raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
-        self.num_kv_heads = num_kv_heads
-        self.input_layouts = input_layouts
-
-    def _check(self, module: nn.Module, tp: int, fqn: str = "") -> None:
-        """ValueError when ``module`` cannot be split over ``tp`` ranks (nothing is changed)."""
-        kv = self.num_kv_heads
-        ok_layout = kv % tp == 0 or tp % kv == 0
-        if ok_layout and isinstance(module, nn.Linear) and module.out_features % kv == 0:
-            return
-        where = f" '{fqn}'" if fqn else ""
-        raise ValueError(
-            f"ReplicatedKVColwise: cannot split {kv} KV heads over tensor parallel size {tp} "
-            f"(module{where} {type(module).__name__}, out_features "
-            f"{getattr(module, 'out_features', '?')}): the TP size must be a multiple or a divisor "
-            "of the KV head count and the module an nn.Linear with out_features divisible by it."
-        )
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        tp, kv = device_mesh.size(), self.num_kv_heads
-        self._check(module, tp)
-        if kv % tp == 0:
-            colwise = ColwiseParallel(input_layouts=self.input_layouts)
-            colwise.src_data_rank = self.src_data_rank
-            return colwise._apply(module, device_mesh)
-        head_dim, rep = module.out_features // kv, tp // kv
-        in_layout = self.input_layouts or Replicate()
-
-        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
-            for pname, p in list(mod.named_parameters(recurse=False)):
-                rep_p = distribute_tensor(p, mesh, [Replicate()], src_data_rank=self.src_data_rank)
-                mod.register_parameter(pname, nn.Parameter(rep_p, requires_grad=p.requires_grad))
-
-        def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> Any:
-            x = inputs[0]
-            if not isinstance(x, DTensor):
-                x = DTensor.from_local(x, mesh, (in_layout,), run_check=False)
-            if x.placements != (Replicate(),):
-                x = x.redistribute(placements=(Replicate(),))
-            return x
-
-        def prepare_output(mod: nn.Module, out: DTensor, mesh: DeviceMesh) -> Any:
-            lead = out.shape[:-1]
-            heads = out.view(*lead, kv, 1, head_dim).expand(*lead, kv, rep, head_dim)
-            heads = heads.reshape(*lead, tp, head_dim).redistribute(placements=(Shard(len(lead)),))
-            local = heads.to_local()  # (..., 1, head_dim): this rank's replica
-            return local.reshape(*local.shape[:-2], head_dim)
-
-        return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
-
-    def __repr__(self) -> str:
-        return (
-            f"ReplicatedKVColwise(num_kv_heads={self.num_kv_heads}, "
-            f"input_layouts={self.input_layouts})"
-        )
-
-
 def _leaf_is(names: tuple[str, ...], kind: type) -> Callable[[str, nn.Module], bool]:
     def pred(fqn: str, module: nn.Module) -> bool:
         return fqn.rsplit(".", 1)[-1] in names and isinstance(module, kind)
@@ -265,12 +128,6 @@ def _leaf_is(names: tuple[str, ...], kind: type) -> Callable[[str, nn.Module], b
 
 def _parent(fqn: str) -> str:
     return fqn.rsplit(".", 1)[0] if "." in fqn else ""
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return "norm" in type(module).__name__.lower() and any(
-        True for _ in module.parameters(recurse=False)
-    )
 
 
 def llama_tp_plan(
@@ -358,7 +215,7 @@ def llama_tp_plan(
             plan[fqn] = gather
         inside = tuple(f"{b}." for b in blocks)
         for fqn, module in model.named_modules():
-            if fqn not in plan and _is_norm(module) and not fqn.startswith(inside):
+            if fqn not in plan and is_norm(module) and not fqn.startswith(inside):
                 plan[fqn] = SequenceParallel()
     return plan
 

@@ -439,8 +439,9 @@ def _stress(loads: int):
 
 
 def _buffer_send_fails_on_rank0():
-    import fsdptk._engine.scatter as engine
     from torch.distributed.fsdp import fully_shard
+
+    import fsdptk._engine.scatter as engine
 
     rank = dist.get_rank()
     torch.manual_seed(0)

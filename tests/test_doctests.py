@@ -44,7 +44,7 @@ def test_skipped_examples_say_why() -> None:
                 if ex.options.get(doctest.SKIP):
                     skipped += 1
                     first = ex.source.splitlines()[0]
-                    assert "tests/" in ex.source and "# doctest: +SKIP" in first or \
+                    assert ("tests/" in ex.source and "# doctest: +SKIP" in first) or \
                         "tests/" in first, f"{test.name}: +SKIP without a reason: {first!r}"
                 else:
                     ran += 1

@@ -183,7 +183,7 @@ def _wire_case(cases, mesh_kind, mode, bucket, seed, direct_min, nf4, lazy=False
         wire.DIRECT_MIN_BYTES = old
         scatter.pack, gather.pack = inner_s, inner_g
 
-    from fsdptk._compat import local_tensor as _local  # (to_local drops the NF4 subclass)
+    from fsdptk._core.compat import local_tensor as _local  # (to_local drops the NF4 subclass)
 
     local_ok = True
     for k, t in targets:

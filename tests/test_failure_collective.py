@@ -368,8 +368,12 @@ def test_optimizer_pair_failures_raise_on_every_rank(world) -> None:
 # ----------------------------------------------------------------------------------------------
 # point 11: argument types, replicated tensors that differ between ranks
 def _wrong_types() -> dict[str, tuple[str, str]]:
-    from fsdptk import (gather_cpu_state_dict, get_full_optimizer_state_dict, load_from_full_model_state_dict,
-                        load_from_full_optimizer_state_dict)
+    from fsdptk import (
+        gather_cpu_state_dict,
+        get_full_optimizer_state_dict,
+        load_from_full_model_state_dict,
+        load_from_full_optimizer_state_dict,
+    )
 
     out = {}
     model = _model()

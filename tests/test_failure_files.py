@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import fsdptk._files.commit as commit
-from fsdptk._checkpoint_common import rename_keys
+from fsdptk._files.common import rename_keys
 from fsdptk._files.lock import CheckpointLockedError, DirectoryLock
 from fsdptk._files.safetensors_writer import ShardedWriter
 from fsdptk.checkpoint import (
@@ -368,7 +368,7 @@ def test_sharded_save_killed_at_every_step_loads_old_or_new(tmp_path: Path, monk
     _write(d, new, new_size)
     monkeypatch.setattr(commit, "_STEP_HOOK", None)
     assert _same(_read(d), new)
-    assert [n for n, _ in shots][0] == "journal-written" and shots[-1][0] == "old-deleted"
+    assert shots[0][0] == "journal-written" and shots[-1][0] == "old-deleted"
     for name, shot in shots:
         got = _read(shot)
         assert _same(got, old) or _same(got, new), name
@@ -456,9 +456,9 @@ def test_second_writer_fails_at_once_naming_the_holder(tmp_path: Path) -> None:
     holder.commit()
     save_safetensors(nn.Linear(4, 2), d)  # released
     assert sorted(os.listdir(d)) == ["model.safetensors"]
-    with DirectoryLock(tmp_path / ".step.fsdptk.lock", tmp_path / "step"):
-        with pytest.raises(CheckpointLockedError, match="pid"):
-            save_dcp(nn.Linear(4, 2), tmp_path / "step")
+    with DirectoryLock(tmp_path / ".step.fsdptk.lock", tmp_path / "step"), \
+            pytest.raises(CheckpointLockedError, match="pid"):
+        save_dcp(nn.Linear(4, 2), tmp_path / "step")
     save_dcp(nn.Linear(4, 2), tmp_path / "step")
 
 
@@ -467,9 +467,9 @@ def test_locked_target_fails_on_every_rank(world, tmp_path: Path, fmt: str) -> N
     target = tmp_path / "ckpt"
     lock = (target / ".fsdptk.lock") if fmt == "safetensors" else tmp_path / ".ckpt.fsdptk.lock"
     lock.parent.mkdir(exist_ok=True)
-    with DirectoryLock(lock, target):  # held by this (live) process, another pid than the ranks'
-        with pytest.raises(RemoteError) as info:
-            world(2).run(_save_linear, str(target), fmt, timeout=60)
+    # the lock is held by this (live) process, another pid than the ranks'
+    with DirectoryLock(lock, target), pytest.raises(RemoteError) as info:
+        world(2).run(_save_linear, str(target), fmt, timeout=60)
     for r in info.value.per_rank:
         assert isinstance(r, RemoteError) and r.exc_type == "CheckpointLockedError", r
         assert f"pid {os.getpid()}" in r.message

@@ -158,8 +158,13 @@ def _gpu_worlds() -> list[int]:
 
 
 def _offload_train(tmp: str, steps: int, more: int, lr: float) -> dict:
-    from fsdptk import (get_full_optimizer_state_dict, load_from_full_model_state_dict,
-                        load_from_full_optimizer_state_dict, load_safetensors, save_safetensors)
+    from fsdptk import (
+        get_full_optimizer_state_dict,
+        load_from_full_model_state_dict,
+        load_from_full_optimizer_state_dict,
+        load_safetensors,
+        save_safetensors,
+    )
 
     rank, world, device = dist.get_rank(), dist.get_world_size(), _device()
     cfg = _SMALL

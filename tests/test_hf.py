@@ -104,8 +104,13 @@ def _end_to_end(family: str, src: str, mode: str, ref_logits: torch.Tensor, out:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from fsdptk import (gather_cpu_state_dict, load_from_full_model_state_dict, load_safetensors,
-                        save_safetensors, shard_model)
+    from fsdptk import (
+        gather_cpu_state_dict,
+        load_from_full_model_state_dict,
+        load_safetensors,
+        save_safetensors,
+        shard_model,
+    )
 
     rank = dist.get_rank()
     with torch.device("meta"):
@@ -141,7 +146,7 @@ def test_meta_shard_load_train_save_from_pretrained(world, reference, tmp_path, 
     ref = reference(family)
     src = ref["cache"] if mode == "shard_on_read" else ref["src"]  # the HF cache's symlinks too
     results = world(n).run(_end_to_end, family, str(src), mode, ref["logits"], str(tmp_path / "out"))
-    units, missing, unexpected, diff, losses, tied, gathered, _ = results[0]
+    units, missing, unexpected, diff, _losses, tied, gathered, _ = results[0]
     assert units == ["model.layers.0", "model.layers.1", "<root>"]
     assert missing == [] and unexpected == []
     assert diff <= 1e-5, f"logits differ from the reference by {diff}"

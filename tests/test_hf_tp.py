@@ -23,7 +23,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from fsdptk import hf_tp_plan  # noqa: E402
-from fsdptk._hf_tp import REFUSED, TRANSLATED, describe_hf_2d  # noqa: E402
+from fsdptk._plans.hf_tp import REFUSED, TRANSLATED, describe_hf_2d  # noqa: E402
 from fsdptk.predicates import no_split_modules  # noqa: E402
 
 _LR, _STEPS, _BATCH, _SEQ = 1e-3, 3, 4, 8
@@ -112,8 +112,7 @@ def _two_d(family: str, dtype: torch.dtype, src: str, mode: str, sequence_parall
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from fsdptk import (ParallelDims, apply_tp, gather_cpu_state_dict, load_safetensors,
-                        save_safetensors, shard_model)
+    from fsdptk import ParallelDims, apply_tp, gather_cpu_state_dict, load_safetensors, save_safetensors, shard_model
 
     dims = ParallelDims(dp_shard=2, tp=2)
     dims.build_mesh("cpu")
@@ -433,8 +432,8 @@ def test_widths_that_do_not_divide_by_the_tp_size(string_facts):
 
 
 def test_every_transformers_style_string_is_translated_or_refused():
-    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
     from transformers.distributed import expert_parallel, tensor_parallel  # noqa: F401 (registers)
+    from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
     assert not set(TRANSLATED) & set(REFUSED)
     assert set(TRANSLATED) | set(REFUSED) == set(ALL_PARALLEL_STYLES)

@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from _counting import OBJECT_COLLECTIVES, counted
 from fsdptk.testing.strategies import build_module, module_names, module_specs, random_state_dict
+
+from _counting import OBJECT_COLLECTIVES, counted
 
 N_STEPS, M_STEPS = 3, 3
 
@@ -104,8 +105,12 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, start: int, steps: int,
 
 def _job(layout, model_sd, start, steps, osd=None, bcast=False):
     """Fresh meta model on this world, load model (+ optimizer) state, train, gather both on rank 0."""
-    from fsdptk import (gather_cpu_state_dict, get_full_optimizer_state_dict,
-                        load_from_full_model_state_dict, load_from_full_optimizer_state_dict)
+    from fsdptk import (
+        gather_cpu_state_dict,
+        get_full_optimizer_state_dict,
+        load_from_full_model_state_dict,
+        load_from_full_optimizer_state_dict,
+    )
 
     rank = dist.get_rank()
     with torch.device("meta"):
@@ -173,8 +178,12 @@ def test_resume_at_another_world_size(world, size_a, layout_a, size_b, layout_b)
 
 
 def _single_to_sharded(sd, bcast):
-    from fsdptk import (gather_cpu_state_dict, get_full_optimizer_state_dict,
-                        load_from_full_model_state_dict, load_from_full_optimizer_state_dict)
+    from fsdptk import (
+        gather_cpu_state_dict,
+        get_full_optimizer_state_dict,
+        load_from_full_model_state_dict,
+        load_from_full_optimizer_state_dict,
+    )
 
     rank = dist.get_rank()
     plain = _Net()
@@ -218,8 +227,11 @@ def test_single_process_state_continues_identically(world, bcast):
 
 
 def _vs_dcp(layout):
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     from fsdptk import get_full_optimizer_state_dict, iter_full_optimizer_state, load_from_full_model_state_dict
 
@@ -290,8 +302,11 @@ def _make_case(spec, seed, kind, assign, frozen, lrs):
 
 
 def _round_trip(spec, seed, names, layout, kind, assign, frozen, lrs, osd, bcast, bucket):
-    from fsdptk import get_full_optimizer_state_dict, load_from_full_optimizer_state_dict
-    from fsdptk import load_from_full_model_state_dict
+    from fsdptk import (
+        get_full_optimizer_state_dict,
+        load_from_full_model_state_dict,
+        load_from_full_optimizer_state_dict,
+    )
 
     rank = dist.get_rank()
     model = build_module(spec, "meta")
@@ -621,7 +636,7 @@ def test_state_held_in_plain_dicts_is_known_to_the_engine_as_held():
     from types import MappingProxyType
 
     from fsdptk._engine.sources import as_source
-    from fsdptk._optim_layout import StateSource
+    from fsdptk._plans.optim_layout import StateSource
 
     t = torch.ones(4, 2)
     rows = [("state.w.exp_avg", "w", "exp_avg")]

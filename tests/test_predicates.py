@@ -155,7 +155,7 @@ class _SubBlock(_Block):
 
 
 class _Inner(nn.Module):
-    _no_split_modules = ["_Block"]
+    _no_split_modules = ["_Block"]  # noqa: RUF012 - the HF convention: a class-level list
 
     def __init__(self) -> None:
         super().__init__()

@@ -130,7 +130,7 @@ class _Unpicklable(Exception):
 
 
 def _agree_error(bad_ranks: list[int]) -> list[object]:
-    from fsdptk._dist import all_gather_object, raise_if_any
+    from fsdptk._core.dist import all_gather_object, raise_if_any
 
     views = all_gather_object(dist.get_rank() * 2)
     rank = dist.get_rank()
@@ -142,7 +142,7 @@ def _agree_error(bad_ranks: list[int]) -> list[object]:
 
 
 def _agree_unpicklable() -> None:
-    from fsdptk._dist import raise_if_any
+    from fsdptk._core.dist import raise_if_any
 
     raise_if_any(_Unpicklable("local only") if dist.get_rank() == 0 else None)
 

@@ -107,7 +107,9 @@ def _train_sharded(cfg: dict) -> dict:
         model = _reference(seed, tied)
     if dims.tp_enabled:
         from torch.distributed.tensor.parallel import (
-            ColwiseParallel, RowwiseParallel, parallelize_module,
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
         )
 
         for block in model.layers:

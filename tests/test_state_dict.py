@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from fsdptk.testing import RemoteError
+from fsdptk.testing.strategies import build_module, module_names, module_specs, random_state_dict
 
 from _counting import counted
-from fsdptk.testing.strategies import build_module, module_names, module_specs, random_state_dict
 
 # ---------------------------------------------------------------------------------------------
 # helpers run on every rank
@@ -345,10 +345,10 @@ def _offload_model(mesh_type: str) -> nn.Module:
     """Linear(3, 5) + Linear(5, 2) on ``meta``, parameters as dim-0 sharded DTensors on a mesh of
     ``mesh_type``; a "cuda" mesh can be built on a CPU-only torch (no CUDA call happens), so the
     loaders' device handling for a GPU mesh is checked here too."""
+    import os
+
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Shard
-
-    import os
 
     local_rank = os.environ.pop("LOCAL_RANK", None)  # else DeviceMesh calls torch.cuda.set_device
     try:

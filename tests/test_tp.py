@@ -267,7 +267,7 @@ def test_tp_matches_single_process(world, case: str) -> None:
     init = build(c["sp"]).state_dict()
     assert not torch.equal(ref_params["norm.weight"], init["norm.weight"])  # it trained
     for k, v in ref_params.items():
-        torch.testing.assert_close(got[k], v, atol=2e-5, rtol=1e-4, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(got[k], v, atol=2e-5, rtol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
     assert all(r["params"] == {} for r in res[1:])
 
 

@@ -16,6 +16,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+
 from ttparity import (
     diff_keys,
     lora_model,
@@ -44,6 +45,7 @@ def _build(variant: str, shard_fn, reshard: bool = True, ac: bool = False):
     from torchtune.models.llama2 import lora_llama2
     from torchtune.modules.peft import get_adapter_params, set_trainable_params
     from torchtune.training import set_default_dtype
+
     from ttparity import LORA_KWARGS, QLORA_KWARGS
 
     quantize, dtype, extra = VARIANTS[variant]
@@ -75,6 +77,7 @@ def _full_sd(variant: str) -> dict[str, torch.Tensor]:
 def _build_cpu(variant: str):
     from torchtune.models.llama2 import lora_llama2
     from torchtune.training import set_default_dtype
+
     from ttparity import LORA_KWARGS
 
     _, dtype, extra = VARIANTS[variant]

@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+
 from ttparity import (
     LORA_KWARGS,
     diff_keys,

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import torchtune.training as tt
 import torchtune.training._distributed as ttd
-from ttparity import SHARED
 
 import fsdptk
+
+from ttparity import SHARED
 
 _P = inspect.Parameter
 _POSITIONAL = (_P.POSITIONAL_ONLY, _P.POSITIONAL_OR_KEYWORD)

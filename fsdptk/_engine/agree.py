@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdptk._dist import _comm_device, all_gather_object, comm_errors, error_payload, raise_lowest
-from fsdptk._dist import raise_problems as _raise
-from fsdptk._dist import world as _world
+from fsdptk._core.dist import _comm_device, all_gather_object, comm_errors, error_payload, raise_lowest
+from fsdptk._core.dist import raise_problems as _raise
+from fsdptk._core.dist import world as _world
 from fsdptk._engine.layouts import Layout, PlainLayout, layout_of
 from fsdptk._engine.sources import Source, SourceProblem, TensorMeta, as_source
 

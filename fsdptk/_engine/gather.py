@@ -13,10 +13,10 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from fsdptk._compat import local_tensor
-from fsdptk._dist import _comm_device, all_gather_object, comm_errors, error_payload, raise_lowest
-from fsdptk._dist import raise_problems as _raise
-from fsdptk._dist import world as _world
+from fsdptk._core.compat import local_tensor
+from fsdptk._core.dist import _comm_device, all_gather_object, comm_errors, error_payload, raise_lowest
+from fsdptk._core.dist import raise_problems as _raise
+from fsdptk._core.dist import world as _world
 from fsdptk._engine.agree import Status, _fingerprint, guarded, hand_over
 from fsdptk._engine.layouts import Box, Layout, box_shape, is_dim0_run, layout_of, place
 from fsdptk._engine.wire import (

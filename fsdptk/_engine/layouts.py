@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdptk import nf4 as _nf4
-from fsdptk._compat import StridedShard, dtensor_like, get_shard_size_and_offsets, local_tensor
+from fsdptk._core import nf4 as _nf4
+from fsdptk._core.compat import StridedShard, dtensor_like, get_shard_size_and_offsets, local_tensor
 
 # A box is one rank's piece of a full tensor: per dim either a ``slice(start, stop)`` or a tuple of
 # indices (only _StridedShard produces non-contiguous index sets).
@@ -104,7 +104,7 @@ def dtensor_box(t: DTensor) -> Box:
 
 def _compute_box(t: DTensor, shape: tuple[int, ...], mesh: Any, coord: Sequence[int]) -> Box:
     """:func:`dtensor_box` without the cache."""
-    offsets: dict[int, torch.Tensor] = {}
+    offsets: dict[int, torch.Tensor | None] = {}
     local = list(shape)
     for mesh_dim, p in enumerate(t.placements):
         if isinstance(p, Replicate):
@@ -221,10 +221,11 @@ class DTensorLayout(Layout):
     """A DTensor on any mesh: this rank's box from DTensor's placement math; one replica sends."""
 
     replicated = False
+    target: DTensor  # (narrowed: layout_of picks this class for DTensors only)
 
     def __init__(self, target: torch.Tensor) -> None:
         super().__init__(target)
-        self.local = dtensor_box(target)  # type: ignore[arg-type]
+        self.local = dtensor_box(self.target)
 
     def read_local(self, source: Any, key: str, dtype: torch.dtype, device: torch.device,
                    release: bool) -> torch.Tensor:
@@ -232,10 +233,10 @@ class DTensorLayout(Layout):
         return torch.empty(raw.shape, dtype=dtype, device=device).copy_(raw)
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
-        return dtensor_like(self.target, local)  # type: ignore[arg-type]
+        return dtensor_like(self.target, local)
 
     def send_box(self, rank: int) -> Box | None:
-        return self.local if _is_sender(self.target) else None  # type: ignore[arg-type]
+        return self.local if _is_sender(self.target) else None
 
     def send_local(self) -> torch.Tensor:
         return local_tensor(self.target).detach()
@@ -280,17 +281,18 @@ class DTensorNF4Layout(NF4Layout):
     """A DTensor wrapping an NF4 chunk (Shard(0) / Replicate placements only)."""
 
     replicated = False
+    target: DTensor  # (narrowed: layout_of picks this class for DTensors only)
 
     def __init__(self, target: torch.Tensor) -> None:
         super().__init__(target)
         self.local = _nf4_path(target)  # type: ignore[arg-type]  # validates the placements
-        self.box = dtensor_box(target)  # type: ignore[arg-type]
+        self.box = dtensor_box(self.target)
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
-        return dtensor_like(self.target, local)  # type: ignore[arg-type]
+        return dtensor_like(self.target, local)
 
     def send_box(self, rank: int) -> Box | None:
-        return self.box if _is_sender(self.target) else None  # type: ignore[arg-type]
+        return self.box if _is_sender(self.target) else None
 
 
 def layout_of(t: torch.Tensor) -> Layout:

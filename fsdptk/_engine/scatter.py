@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdptk._dist import _comm_device, comm_errors
-from fsdptk._dist import world as _world
+from fsdptk._core.dist import _comm_device, comm_errors
+from fsdptk._core.dist import world as _world
 from fsdptk._engine.agree import LoadPlan, Status, guarded, hand_over
 from fsdptk._engine.layouts import box_shape, is_dim0_run
 from fsdptk._engine.sources import Source, as_source

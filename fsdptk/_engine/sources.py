@@ -12,8 +12,8 @@ A source answers three questions, and the engine asks nothing else (it knows no 
 holds the whole tensor in memory (reading it allocates nothing), see :func:`holds_value`.
 
 :class:`MappingSource` adapts a Mapping of full tensors (a dict, a lazy Mapping). A Mapping whose
-values are read through safetensors-style slice objects (``get_slice(key)``) is adapted by the
-safetensors reader's own :class:`fsdptk._files.safetensors_io.SliceSource`, which owns that format.
+values are read through safetensors-style slice objects (``get_slice(key)``) is adapted by
+:class:`SliceSource` (shard-on-read: only the region of a box is read).
 """
 
 from __future__ import annotations
@@ -26,6 +26,18 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdptk._engine.layouts import Box, extract
+
+_ST_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
+}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
+                     ("uint32", "U32"), ("uint64", "U64")):
+    if hasattr(torch, _name):
+        _ST_CODES[getattr(torch, _name)] = _code
+# safetensors dtype code (as a slice's ``get_dtype()`` returns it) -> torch dtype
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {v: k for k, v in _ST_CODES.items()}
 
 
 @dataclass(frozen=True)
@@ -94,7 +106,7 @@ class MappingSource:
     def release(self, key: str) -> None:
         if hasattr(self.mapping, "__delitem__"):
             try:
-                del self.mapping[key]  # type: ignore[attr-defined]
+                del self.mapping[key]
             except (KeyError, TypeError, NotImplementedError):
                 pass
 
@@ -122,7 +134,36 @@ def as_source(obj: Any) -> Source:
     if isinstance(obj, Source):
         return obj
     if callable(getattr(obj, "get_slice", None)):
-        from fsdptk._files.safetensors_io import SliceSource
-
         return SliceSource(obj)
     return MappingSource(obj)
+
+
+class SliceSource(MappingSource):
+    """A Mapping read through safetensors-style slices, as a source of :mod:`fsdptk._engine`.
+
+    ``mapping.get_slice(key)`` returns an object with ``get_shape()``, ``get_dtype()`` (a safetensors
+    dtype code such as ``"BF16"``, or a torch dtype) and indexing by a tuple of slices that reads only
+    that region: metadata costs no read, and a box reads only its covering region (shard-on-read).
+    This is the safetensors side of the engine's source protocol (the engine knows no file format):
+    :class:`fsdptk.checkpoint.SafetensorsCheckpoint` and the views over it are read through it.
+
+    Args:
+        mapping: the Mapping (``mapping[key]`` reads a full tensor; ``del mapping[key]`` releases).
+    """
+
+    mapping: Any  # a Mapping with get_slice(key)
+
+    def meta(self, key: str) -> TensorMeta:
+        """Shape and dtype of ``key`` from its slice's header (no data read)."""
+        sl = self.mapping.get_slice(key)
+        code = sl.get_dtype()
+        dtype = SAFETENSORS_DTYPES.get(code, code) if isinstance(code, str) else code
+        if not isinstance(dtype, torch.dtype):
+            raise SourceProblem("TypeError", f"{key!r}: unknown dtype {code!r} in the source")
+        return TensorMeta(tuple(int(n) for n in sl.get_shape()), dtype)
+
+    def read(self, key: str, box: Box | None = None) -> torch.Tensor:
+        """The full tensor (``box=None``), or its piece at ``box`` read from the slice."""
+        if box is None:
+            return super().read(key)
+        return extract(self.mapping.get_slice(key), box)

@@ -154,7 +154,7 @@ def commit_files(directory: Path, prefix: str, token: str, renames: Sequence[tup
         index: ``(temporary name, final name)`` of the index, for a sharded checkpoint.
     """
     new = [final for _, final in renames]
-    journal = {"token": token, "sharded": index is not None, "new": new,
+    journal: dict[str, Any] = {"token": token, "sharded": index is not None, "new": new,
                "tmp": [t for t, _ in renames] + ([index[0]] if index else []),
                "delete": old_files(directory, prefix, new + ([index[1]] if index else []))}
     jpath = journal_path(directory, prefix)

@@ -169,7 +169,7 @@ def safe_load_planner(*, allow_partial_load: bool = False) -> Any:
     """
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    from fsdptk._compat import dcp_set_element
+    from fsdptk._core.compat import dcp_set_element
 
     set_element = dcp_set_element()
 

@@ -22,24 +22,16 @@ from typing import Any
 
 import torch
 
+from fsdptk._engine.sources import SAFETENSORS_DTYPES as _ST_TO_DTYPE
 from fsdptk._files.paths import plain_name, require_regular
 
-__all__ = ["CheckpointError", "SafetensorsCheckpoint", "SliceSource", "parse_size"]
+__all__ = ["CheckpointError", "SafetensorsCheckpoint", "parse_size"]
 
 INDEX_SUFFIX = ".safetensors.index.json"
 # HF shard names; fsdptk adds a save token (``.1a2b3c4d``) when the plain names are taken
 _SHARD_RE = re.compile(r"^(?P<prefix>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})(?:\.[0-9a-f]{8})?\.safetensors$")
 
-_DTYPE_TO_ST: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
-}
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
-                     ("uint32", "U32"), ("uint64", "U64")):
-    if hasattr(torch, _name):
-        _DTYPE_TO_ST[getattr(torch, _name)] = _code
-_ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in _DTYPE_TO_ST.items()}
+_DTYPE_TO_ST: dict[torch.dtype, str] = {v: k for k, v in _ST_TO_DTYPE.items()}
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -244,7 +236,7 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         for file in files:
             handle = _open(file, "")
             self._handles[file] = handle
-            for key in handle.keys():
+            for key in handle.keys():  # noqa: SIM118 - a safe_open handle is not iterable
                 if key in self._file_of:
                     raise CheckpointError(f"key {key!r} is in both {str(self._file_of[key])!r} and "
                                           f"{str(file)!r}")
@@ -323,54 +315,3 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class SliceSource:
-    """A Mapping read through safetensors-style slices, as a source of :mod:`fsdptk._engine`.
-
-    ``mapping.get_slice(key)`` returns an object with ``get_shape()``, ``get_dtype()`` (a safetensors
-    dtype code such as ``"BF16"``, or a torch dtype) and indexing by a tuple of slices that reads only
-    that region: metadata costs no read, and a box reads only its covering region (shard-on-read).
-    This is the safetensors side of the engine's source protocol (the engine knows no file format):
-    :class:`SafetensorsCheckpoint` and the views over it are read through it.
-
-    Args:
-        mapping: the Mapping (``mapping[key]`` reads a full tensor; ``del mapping[key]`` releases).
-    """
-
-    def __init__(self, mapping: Any) -> None:
-        from fsdptk._engine.sources import MappingSource
-
-        self._full = MappingSource(mapping)
-        self.mapping = mapping
-
-    def keys(self) -> Any:
-        """The source's keys."""
-        return self.mapping.keys()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.mapping
-
-    def meta(self, key: str) -> Any:
-        """Shape and dtype of ``key`` from its slice's header (no data read)."""
-        from fsdptk._engine.sources import SourceProblem, TensorMeta
-
-        sl = self.mapping.get_slice(key)
-        code = sl.get_dtype()
-        dtype = _ST_TO_DTYPE.get(code, code) if isinstance(code, str) else code
-        if not isinstance(dtype, torch.dtype):
-            raise SourceProblem("TypeError", f"{key!r}: unknown dtype {code!r} in the source")
-        return TensorMeta(tuple(int(n) for n in sl.get_shape()), dtype)
-
-    def read(self, key: str, box: Any = None) -> torch.Tensor:
-        """The full tensor (``box=None``), or its piece at ``box`` read from the slice."""
-        if box is None:
-            return self._full.read(key)
-        from fsdptk._engine.layouts import extract
-
-        return extract(self.mapping.get_slice(key), box)
-
-    def release(self, key: str) -> None:
-        """Drop ``key`` from the mapping when it supports ``del``."""
-        self._full.release(key)
-

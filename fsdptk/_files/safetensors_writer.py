@@ -20,10 +20,10 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -114,7 +114,7 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.contiguous().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs lack __buffer__
 
 
 class ShardedWriter:
@@ -192,7 +192,7 @@ class ShardedWriter:
         if fh is None:
             f = self.files[i]
             try:
-                fh = open(self._tmp(f.name), "wb")
+                fh = open(self._tmp(f.name), "wb")  # noqa: SIM115 - kept open across writes, closed in close()
             except OSError as e:
                 raise type(e)(e.errno, f"cannot write to checkpoint directory "
                                        f"{str(self.directory)!r}: {e.strerror}") from e

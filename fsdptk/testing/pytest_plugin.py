@@ -13,7 +13,8 @@ timeout (seconds).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 

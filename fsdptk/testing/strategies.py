@@ -121,7 +121,7 @@ def _container(children: st.SearchStrategy[Spec]) -> st.SearchStrategy[Spec]:
             {
                 "type": st.just("block"),
                 "children": kids,
-                "buffers": st.lists(_buffer, max_size=2, unique_by=lambda b: b[0]),
+                "buffers": st.lists(_buffer, max_size=2, unique_by=lambda b: b[0]),  # type: ignore[index]  # a (name, shape, persistent) tuple; its strategy types it as a Collection
             }
         ),
     )

@@ -13,6 +13,7 @@ for the checks that need an accelerator; the default is gloo on CPU with acceler
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -20,13 +21,14 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 try:  # cloudpickle pickles lambdas, closures and functions of test modules by value if needed
     import cloudpickle as _pickler
 except ImportError:  # pragma: no cover - cloudpickle is part of the test extra
-    import pickle as _pickler  # type: ignore[no-redef]
+    import pickle as _pickler
 import pickle
 
 __all__ = ["World", "RemoteError", "WorldTimeout"]
@@ -105,7 +107,7 @@ def _forget_old_meshes() -> None:
     tensors an output spec that still names a group of the destroyed process group ("Could not
     resolve the process group registered under the name N").
     """
-    from fsdptk._compat import clear_dtensor_caches
+    from fsdptk._core.compat import clear_dtensor_caches
 
     clear_dtensor_caches()
 
@@ -147,10 +149,9 @@ def _worker_main(
             return
         kind = msg[0]
         if kind == "close":
-            try:
+            with contextlib.suppress(BaseException):  # closing: nothing to report to
                 dist.destroy_process_group()
-            finally:
-                return
+            return
         if kind == "reinit":
             try:
                 if dist.is_initialized():
@@ -170,7 +171,7 @@ def _worker_main(
         try:
             fn, args, kwargs = pickle.loads(payload)
             result = fn(*args, **kwargs)
-            out = ("ok", _pickler.dumps(result))
+            out: tuple[Any, ...] = ("ok", _pickler.dumps(result))
         except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
             try:
                 exc_blob = _pickler.dumps(e)

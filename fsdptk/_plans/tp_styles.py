@@ -5,6 +5,9 @@ strings into, where torch's own classes are not enough.
   ``RowwiseParallel`` whose tied parameters (an input embedding and ``lm_head``) stay one
   Parameter; the rowwise one also takes an uneven last-dim input shard, as transformers does.
 - :class:`ReplicatedPartialGrad`: transformers' ``"replicated_with_grad_allreduce"``.
+- :class:`GatherSequence`, :class:`ReplicatedKVColwise` (public as :mod:`fsdptk.tp_plan`'s): a
+  sequence-sharded input gathered; GQA k/v projections with fewer KV heads than TP ranks.
+- :func:`is_norm`: the one rule for which modules are norms (sequence parallel shards them).
 - :class:`HFAttentionHeads`: checks a transformers attention module's head split before any module
   changes and, with fewer KV heads than TP ranks, sets its per-rank ``num_key_value_groups``.
 """
@@ -13,17 +16,159 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
-from fsdptk.tp_plan import GatherSequence
+__all__ = ["ColwiseKeepTied", "RowwiseKeepTied", "ReplicatedPartialGrad", "HFAttentionHeads",
+           "GatherSequence", "ReplicatedKVColwise", "is_norm"]
 
-__all__ = ["ColwiseKeepTied", "RowwiseKeepTied", "ReplicatedPartialGrad", "HFAttentionHeads"]
+
+def is_norm(module: nn.Module) -> bool:
+    """A norm layer: its class name says so and it holds parameters of its own (a norm without
+    weights has nothing to shard, so sequence parallel leaves it alone)."""
+    return "norm" in type(module).__name__.lower() and any(
+        True for _ in module.parameters(recurse=False)
+    )
+
+
+class GatherSequence(ParallelStyle):
+    """Turn a module's sequence-sharded input into a replicated DTensor (sequence parallel).
+
+    Like ``PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))``
+    but independent of the module's signature: it converts the first positional tensor argument,
+    or, if there is none, the first tensor keyword argument (Hugging Face calls
+    ``self_attn(hidden_states=...)``). A DTensor input is redistributed; a plain tensor is taken
+    as this rank's ``input_layout`` shard. The module then sees the global shape
+    (``x.shape[1]`` is the full sequence), and its colwise projections need no further gather.
+
+    Args:
+        input_layout: the layout the input arrives in (default ``Shard(1)``).
+        desired_layout: the layout handed to the module (default ``Replicate()``).
+    """
+
+    def __init__(
+        self, *, input_layout: Placement | None = None, desired_layout: Placement | None = None
+    ) -> None:
+        super().__init__()
+        self.input_layout = input_layout or Shard(1)
+        self.desired_layout = desired_layout or Replicate()
+
+    def _convert(self, x: Any, mesh: DeviceMesh) -> Any:
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, mesh, (self.input_layout,), run_check=False)
+        if x.placements != (self.desired_layout,):
+            x = x.redistribute(placements=(self.desired_layout,))
+        return x
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        import torch
+
+        def hook(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    return (*args[:i], self._convert(a, device_mesh), *args[i + 1 :]), kwargs
+            for k, a in kwargs.items():
+                if isinstance(a, torch.Tensor):
+                    return args, {**kwargs, k: self._convert(a, device_mesh)}
+            raise ValueError(
+                f"GatherSequence: {type(mod).__name__} was called without a tensor input"
+            )
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return (
+            f"GatherSequence(input_layout={self.input_layout}, "
+            f"desired_layout={self.desired_layout})"
+        )
+
+
+class ReplicatedKVColwise(ParallelStyle):
+    """Colwise K/V projection that also works when there are fewer KV heads than TP ranks.
+
+    With ``num_kv_heads`` divisible by the TP size this is exactly ``ColwiseParallel``. With
+    fewer KV heads (TP size a multiple of ``num_kv_heads``) the weight is replicated over the TP
+    mesh, every rank computes all KV heads (cheap: there are few) and keeps the one its query
+    heads use (rank ``r`` keeps head ``r // (tp / num_kv_heads)``), in DTensor ops so that the
+    weight gradient is the full sum over ranks. Pair with
+    ``prepare_mha_for_tp(..., replicate_kv_heads=True)``. The parameter keeps its full shape,
+    so state dicts are unchanged.
+
+    Args:
+        num_kv_heads: the model's global number of KV heads.
+        input_layouts: layout of the incoming activation (default ``Replicate()``).
+
+    Raises:
+        ValueError: (when applied) if neither the KV head count nor the TP size divides the
+            other, or the module's output features are not a multiple of ``num_kv_heads``.
+    """
+
+    def __init__(self, num_kv_heads: int, *, input_layouts: Placement | None = None):
+        super().__init__()
+        if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads <= 0:
+            raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+        self.num_kv_heads = num_kv_heads
+        self.input_layouts = input_layouts
+
+    def _check(self, module: nn.Module, tp: int, fqn: str = "") -> None:
+        """ValueError when ``module`` cannot be split over ``tp`` ranks (nothing is changed)."""
+        kv = self.num_kv_heads
+        ok_layout = kv % tp == 0 or tp % kv == 0
+        if ok_layout and isinstance(module, nn.Linear) and module.out_features % kv == 0:
+            return
+        where = f" '{fqn}'" if fqn else ""
+        raise ValueError(
+            f"ReplicatedKVColwise: cannot split {kv} KV heads over tensor parallel size {tp} "
+            f"(module{where} {type(module).__name__}, out_features "
+            f"{getattr(module, 'out_features', '?')}): the TP size must be a multiple or a divisor "
+            "of the KV head count and the module an nn.Linear with out_features divisible by it."
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        tp, kv = device_mesh.size(), self.num_kv_heads
+        self._check(module, tp)
+        if kv % tp == 0:
+            colwise = ColwiseParallel(input_layouts=self.input_layouts)
+            colwise.src_data_rank = self.src_data_rank
+            return colwise._apply(module, device_mesh)
+        head_dim, rep = cast(nn.Linear, module).out_features // kv, tp // kv
+        in_layout = self.input_layouts or Replicate()
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                rep_p = distribute_tensor(p, mesh, [Replicate()], src_data_rank=self.src_data_rank)
+                mod.register_parameter(pname, nn.Parameter(rep_p, requires_grad=p.requires_grad))
+
+        def prepare_input(mod: nn.Module, inputs: tuple, mesh: DeviceMesh) -> Any:
+            x = inputs[0]
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, mesh, (in_layout,), run_check=False)
+            if x.placements != (Replicate(),):
+                x = x.redistribute(placements=(Replicate(),))
+            return x
+
+        def prepare_output(mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+            lead = out.shape[:-1]
+            heads = out.view(*lead, kv, 1, head_dim).expand(*lead, kv, rep, head_dim)
+            heads = heads.reshape(*lead, tp, head_dim).redistribute(placements=(Shard(len(lead)),))
+            local = heads.to_local()  # (..., 1, head_dim): this rank's replica
+            return local.reshape(*local.shape[:-2], head_dim)
+
+        return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
+
+    def __repr__(self) -> str:
+        return (
+            f"ReplicatedKVColwise(num_kv_heads={self.num_kv_heads}, "
+            f"input_layouts={self.input_layouts})"
+        )
+
 
 
 def _place(style: _KeepTied, module: nn.Module, mesh: DeviceMesh,
@@ -54,7 +199,9 @@ def _place(style: _KeepTied, module: nn.Module, mesh: DeviceMesh,
 class _KeepTied:
     """Mixin: ``tied`` maps a parameter name to the (module, name) pairs sharing it."""
 
-    tied: dict[str, list[tuple[nn.Module, str]]] = {}
+    # never mutated: tie() assigns a new dict to the instance
+    tied: dict[str, list[tuple[nn.Module, str]]] = {}  # noqa: RUF012
+    src_data_rank: int | None  # set by the ParallelStyle it is mixed into
 
     def tie(self, pname: str, other: nn.Module, oname: str) -> None:
         """Record that this module's ``pname`` is ``other.<oname>`` (one tied Parameter)."""
@@ -88,7 +235,7 @@ class RowwiseKeepTied(_KeepTied, RowwiseParallel):
                 and last.dim in (-1, x.ndim - 1)):
             shape = (*x.shape[:-1], mod.in_features)
             stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-            x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False, shape=shape,
+            x = DTensor.from_local(x, device_mesh, input_layouts, run_check=False, shape=torch.Size(shape),
                                    stride=stride)
         return RowwiseParallel._prepare_input_fn(input_layouts, desired_input_layouts, mod,
                                                  (x, *inputs[1:]), device_mesh)
@@ -121,7 +268,7 @@ class ReplicatedPartialGrad(ParallelStyle):
         saved: list[dict[str, Any]] = []
 
         def to_local(mod: nn.Module, args: Any) -> None:
-            own = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)}
+            own: dict[str, Any] = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)}
             saved.append(own)
             for n, p in own.items():
                 mod._parameters[n] = p.to_local(grad_placements=[Partial()])
@@ -173,7 +320,7 @@ class HFAttentionHeads(ParallelStyle):
                              "replicated KV heads, but the module has no int "
                              "'num_key_value_groups' to set to its per-rank value.")
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    def _apply(self, module: Any, device_mesh: DeviceMesh) -> nn.Module:
         tp = device_mesh.size()
         self._check(module, tp)
         if self.num_kv_heads < tp:  # one (replicated) KV head per rank

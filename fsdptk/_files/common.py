@@ -1,20 +1,20 @@
 """Small pieces shared by the checkpoint modules: key renaming, the model's device, heap trimming,
-progress bars. (Agreeing on errors across ranks is :mod:`fsdptk._dist`; tied-parameter groups are
-:mod:`fsdptk._names`.)
+progress bars. (Agreeing on errors across ranks is :mod:`fsdptk._core.dist`; tied-parameter groups are
+:mod:`fsdptk._core.names`.)
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
 
-from fsdptk._dist import is_rank0
+from fsdptk._core.dist import is_rank0
 
-Rename = Union[Callable[[str], "str | None"], Mapping[str, str], None]
+Rename = Callable[[str], "str | None"] | Mapping[str, str] | None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def _comm_device() -> torch.device:
     if "gloo" in backend:
         return torch.device("cpu")
     acc = torch.accelerator.current_accelerator()
-    return torch.device(acc or "cuda", torch.accelerator.current_device_index())
+    return torch.device(acc.type if acc is not None else "cuda", torch.accelerator.current_device_index())
 
 
 def check_rank_zero(fn: str, is_rank_zero: bool) -> bool:

@@ -2,7 +2,7 @@
 
 Only cheap imports happen at module import (DTensor's placement math, already loaded with
 ``torch.distributed.tensor``); the composable-API and cache helpers are imported when called.
-torchao is imported only by :mod:`fsdptk.nf4`, lazily.
+torchao is imported only by :mod:`fsdptk._core.nf4` (public as :mod:`fsdptk.nf4`), lazily.
 """
 
 from __future__ import annotations
@@ -52,9 +52,9 @@ def dtensor_like(target: DTensor, local: torch.Tensor) -> DTensor:
     tensor is.
     """
     spec = target._spec
-    if spec.tensor_meta is None or spec.tensor_meta.dtype != local.dtype:  # (specs are immutable: shared)
+    if spec.tensor_meta is not None and spec.tensor_meta.dtype != local.dtype:  # (specs are immutable: shared)
         spec = replace(spec, tensor_meta=spec.tensor_meta._replace(dtype=local.dtype))
-    return DTensor(local, spec, requires_grad=local.requires_grad)  # type: ignore[call-arg]
+    return DTensor(local, spec, requires_grad=local.requires_grad)
 
 
 def composable_checkpoint() -> Any:

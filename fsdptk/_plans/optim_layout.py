@@ -4,9 +4,9 @@ param-group matching by FQN, validation of a full optimizer state dict, and the 
 
 Used by :mod:`fsdptk.optim`, which adds the moving of tensors (through :mod:`fsdptk._engine`).
 
-Naming rule (:mod:`fsdptk._names`): a parameter's FQN is its first key in ``model.state_dict()``,
+Naming rule (:mod:`fsdptk._core.names`): a parameter's FQN is its first key in ``model.state_dict()``,
 which is also its first name in ``model.named_parameters()`` order cleaned by
-:func:`fsdptk._names.clean_fqn` (wrapper components such as activation checkpointing's
+:func:`fsdptk._core.names.clean_fqn` (wrapper components such as activation checkpointing's
 ``_checkpoint_wrapped_module`` and ``torch.compile``'s ``_orig_mod`` removed), i.e. the key the
 model state uses. A tied parameter (one ``Parameter`` object under several names) has ONE FQN, the first;
 its other names are accepted as aliases on load.
@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdptk._core.names import clean_fqn, tensor_groups
 from fsdptk._engine.sources import holds_value
-from fsdptk._names import clean_fqn, tensor_groups
 
 STATE, PG, PARAMS, NAMES = "state", "param_groups", "params", "param_names"
 
@@ -256,7 +256,7 @@ class StateSource(Mapping[str, Any]):
 
     def __delitem__(self, name: str) -> None:
         fqn, key = self._where[name]
-        del self._state[fqn][key]  # type: ignore[attr-defined]
+        del self._state[fqn][key]  # type: ignore[attr-defined]  # the caller's per-parameter dicts (a Mapping type)
 
     def holds(self, name: str) -> bool:
         """Whether ``self[name]`` is a tensor held in plain dicts (the engine's

@@ -4,13 +4,13 @@ transformers models declare how they shard (``model.tp_plan``: the config's
 ``base_model_tp_plan`` merged with the class's own entries such as ``lm_head``), as wildcard
 patterns (``model.layers.*.self_attn.q_proj``) mapped to style strings (``"colwise"``). transformers
 applies them with its own hook classes (``transformers.distributed.tensor_parallel``);
-:func:`hf_tp_plan` translates each string into torch's ``ParallelStyle`` with the same
+:func:`fsdptk.hf.hf_tp_plan` translates each string into torch's ``ParallelStyle`` with the same
 layouts, keyed by the model's concrete module FQNs, so the plan goes through
 :func:`fsdptk.apply_tp` and composes with FSDP2 (:func:`fsdptk.shard_model`) over the
 data-parallel mesh.
 
 Each string becomes torch's style with the same layouts (the table is in ``docs/hf_2d.md``; the
-classes fsdptk adds are in :mod:`fsdptk._hf_tp_styles`):
+classes fsdptk adds are in :mod:`fsdptk._plans.tp_styles`):
 ``colwise*`` / ``rowwise*`` / ``embedding_*`` are :class:`ColwiseKeepTied` /
 :class:`RowwiseKeepTied` (torch's classes, keeping a tied weight one Parameter),
 ``sequence_parallel`` is ``SequenceParallel``, ``replicated_with_grad_allreduce`` is
@@ -18,7 +18,7 @@ classes fsdptk adds are in :mod:`fsdptk._hf_tp_styles`):
 ``replicate`` needs nothing. Strings for fused (packed) expert weights, expert parallelism and MLA
 (``packed_colwise``, ``packed_rowwise``, ``moe_tp_experts``, ``moe_identity_expert``,
 ``grouped_gemm``, ``ep_dispatch_experts``, ``mla_kv_a_proj``, ``local_params``) and rules naming a
-parameter rather than a module have no translation: :func:`hf_tp_plan` raises a ValueError naming
+parameter rather than a module have no translation: :func:`fsdptk.hf.hf_tp_plan` raises a ValueError naming
 the string and the FQN.
 
 Attention: transformers' attention modules reshape with ``-1`` heads, so an even split of the q/k/v
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -46,17 +46,19 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from fsdptk._hf_tp_styles import (
+from fsdptk._core.names import param_owners
+from fsdptk._plans.tp_styles import (
     ColwiseKeepTied,
+    GatherSequence,
     HFAttentionHeads,
+    ReplicatedKVColwise,
     ReplicatedPartialGrad,
     RowwiseKeepTied,
     _KeepTied,
+    is_norm,
 )
-from fsdptk._names import param_owners
-from fsdptk.tp_plan import GatherSequence, ReplicatedKVColwise
 
-__all__ = ["hf_tp_plan", "ColwiseKeepTied", "RowwiseKeepTied", "HFAttentionHeads",
+__all__ = ["translate_plan", "ColwiseKeepTied", "RowwiseKeepTied", "HFAttentionHeads",
            "ReplicatedPartialGrad", "TRANSLATED", "REFUSED"]
 
 
@@ -119,7 +121,7 @@ def _parent(fqn: str) -> str:
 def _match(model: nn.Module, rules: Mapping[str, str]) -> dict[str, str]:
     """Concrete module FQN -> style string, transformers' matching (layer numbers -> ``*``)."""
     found: dict[str, str] = {}
-    modules = set()
+    modules: set[str] = set()
     for fqn, _ in model.named_modules():
         modules.update((fqn, _generic(fqn)))
         if (s := rules.get(fqn, rules.get(_generic(fqn)))) is not None:
@@ -175,7 +177,7 @@ def _tie(model: nn.Module, strings: Mapping[str, str],
         for f, n, _ in planned:
             for g, o, other in group:
                 if (g, o) != (f, n):
-                    styles[f].tie(n, other, o)
+                    cast(_KeepTied, styles[f]).tie(n, other, o)
 
 
 def _heads(model: nn.Module, attn: nn.Module) -> tuple[int, int] | None:
@@ -189,10 +191,6 @@ def _heads(model: nn.Module, attn: nn.Module) -> tuple[int, int] | None:
         return None
     kv = getattr(cfg, "num_key_value_heads", None)
     return nq, kv if isinstance(kv, int) else nq
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return "norm" in type(module).__name__.lower()
 
 
 def _sequence_parallel(model: nn.Module, strings: Mapping[str, str],
@@ -228,7 +226,7 @@ def _sequence_parallel(model: nn.Module, strings: Mapping[str, str],
         if fqn in strings or fqn in styles or fqn.startswith(inside) or fqn in blocks:
             continue
         if any(True for _ in module.parameters(recurse=False)):
-            if not _is_norm(module):
+            if not is_norm(module):
                 raise ValueError(
                     f"sequence_parallel=True: '{fqn}' ({type(module).__name__}) holds parameters "
                     "outside the attention / MLP blocks and is not a norm, so it cannot run on "
@@ -236,52 +234,8 @@ def _sequence_parallel(model: nn.Module, strings: Mapping[str, str],
             styles[fqn] = SequenceParallel(use_local_output=False)
 
 
-def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """Translate a transformers model's own tensor-parallel plan into DTensor ``ParallelStyle``\\ s.
-
-    Reads ``model.tp_plan`` (the config's ``base_model_tp_plan`` merged with the class's entries:
-    ``model.embed_tokens`` -> ``embedding_rowwise``, ``lm_head`` -> ``colwise_gather_output``, ...),
-    matches its wildcard rules against the concrete module FQNs the way transformers does (layer
-    numbers become ``*``), and translates every style string into torch's styles with the same
-    layouts (see the table in :mod:`fsdptk._hf_tp`). Attention modules whose k/v projections are
-    colwise get an :class:`HFAttentionHeads` entry: the head counts are validated by
-    :func:`fsdptk.apply_tp` before anything changes, and GQA with fewer KV heads than TP ranks uses
-    :class:`~fsdptk.tp_plan.ReplicatedKVColwise`. A tied input embedding / ``lm_head`` (both
-    placed ``Shard(0)`` over the vocabulary) stays one Parameter when the plan is applied.
-
-    With ``sequence_parallel`` the activations between the attention / MLP blocks stay sharded on
-    the sequence dim (its length must divide by the TP size): the embedding reduce-scatters, the
-    norms between blocks are ``SequenceParallel``, each block gathers its input and its rowwise
-    projection reduce-scatters, ``lm_head`` gathers. transformers' plans do not do this themselves.
-
-    The model is only read. Call it on the unsharded model (``meta`` is fine), then
-    ``apply_tp(model, mesh["tp"], plan)`` before activation checkpointing and ``shard_model``.
-
-    Args:
-        model: a transformers ``PreTrainedModel`` (any device, including meta).
-        sequence_parallel: shard activations on the sequence dim between blocks.
-
-    Returns:
-        dict[str, ParallelStyle]: exact module FQN -> style, in ``named_modules`` order, for
-        :func:`fsdptk.apply_tp`.
-
-    Raises:
-        TypeError: if ``model`` is not an ``nn.Module``.
-        ValueError: if the model declares no plan; if a style string has no translation (the
-            message names the string and the module FQN) or targets the wrong module type; if a
-            rule names a parameter rather than a module; if a tied parameter would be placed two
-            ways; if ``sequence_parallel`` is asked of a plan without an embedding / output pair
-            around its blocks.
-
-    Example:
-        >>> dims = ParallelDims(dp_shard=2, tp=2)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
-        >>> mesh = dims.build_mesh("cuda")  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
-        >>> plan = hf_tp_plan(model)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
-        >>> plan["model.layers.0.self_attn.q_proj"]  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
-        ColwiseKeepTied(input_layouts=(Replicate(),), output_layouts=(Shard(dim=-1),), ...)
-        >>> apply_tp(model, mesh["tp"], plan)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
-        >>> shard_model(model, no_split_modules(model), cpu_offload=False, dp_mesh=dims.fsdp_mesh)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
-    """
+def translate_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """:func:`fsdptk.hf.hf_tp_plan` (documented there): the model's declared plan, translated."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     strings = _match(model, _declared_plan(model))
@@ -305,7 +259,7 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str
     if sequence_parallel:
         _sequence_parallel(model, strings, styles, attn_heads)
     _tie(model, strings, styles)
-    return {f: styles[f] for f in modules if styles.get(f) is not None}
+    return {f: style for f in modules if (style := styles.get(f)) is not None}
 
 
 # --------------------------------------------------------------------- per-rank bytes (planner)
@@ -328,7 +282,7 @@ def describe_hf_2d(model: nn.Module, shard_conditions: Any, *, world_size: int, 
                    sequence_parallel: bool = False) -> Any:
     """The TP x FSDP sharding plan of a transformers model, computed on its ``meta`` build.
 
-    Translates the model's own TP plan (:func:`hf_tp_plan`, head counts checked as
+    Translates the model's own TP plan (:func:`fsdptk.hf.hf_tp_plan`, head counts checked as
     :func:`fsdptk.apply_tp` would), then describes FSDP over ``world_size // tp`` ranks of each
     parameter's TP-rank-0 shard (the largest one when a dim does not divide), with the planner
     ``shard_model`` uses. The model is a throwaway: each TP-sharded parameter gets a ``to_local``
@@ -357,14 +311,14 @@ def describe_hf_2d(model: nn.Module, shard_conditions: Any, *, world_size: int, 
 
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or world_size % tp:
         raise ValueError(f"tp ({tp}) must be a positive divisor of the world size ({world_size})")
-    plan = hf_tp_plan(model, sequence_parallel=sequence_parallel)
+    plan = translate_plan(model, sequence_parallel=sequence_parallel)
     for fqn, style in plan.items():
         module = model.get_submodule(fqn)
         check = getattr(style, "_check", None)
         if callable(check):
             check(module, tp, fqn)
         for pname, dim in _tp_shard_dims(style, module, tp).items():
-            param = module._parameters[pname]
+            param: Any = module._parameters[pname]
             shape = torch.empty(param.shape, device="meta").chunk(tp, dim=dim)[0].shape
             param.to_local = lambda shape=shape: torch.empty(shape, device="meta")
     return describe_sharding(model, shard_conditions, world_size=world_size // tp)

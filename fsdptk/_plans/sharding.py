@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdptk._names import clean_fqn, param_owners
+from fsdptk._core.names import clean_fqn, param_owners
 from fsdptk.predicates import ShardCondition, describe_predicate
 
 __all__ = ["ShardingPlan", "UnitPlan", "describe_sharding"]
@@ -312,7 +312,7 @@ class _Planner:
 
     def _resolve(self, pid: int, owners: list[tuple[str, str]], reps: set[str]) -> None:
         names = ", ".join(f"{c}.{a}" if c else a for c, a in owners)
-        members = sorted((m for r in reps if r for m in self.members(r)), key=self.index.get)
+        members = sorted((m for r in reps if r for m in self.members(r)), key=self._order)
         nested = "" in reps or any(_is_ancestor(a, b) for a in members for b in members)
         ancestors = {frozenset(self.unit_ancestors(m) - reps) for m in members}
         if not nested and len(ancestors) == 1:
@@ -331,7 +331,7 @@ class _Planner:
         dropped = sorted(
             (m for r in reps if r and any(_is_ancestor(lca, x) for x in self.members(r))
              for m in self.members(r)),
-            key=self.index.get,
+            key=self._order,
         )
         for m in dropped:
             del self.parent[m]
@@ -341,10 +341,13 @@ class _Planner:
             f"it stays with the unit of {lca or '<root>'!r}"
         )
 
+    def _order(self, fqn: str) -> int:
+        return self.index.get(fqn, -1)
+
     def plan(self) -> _Plan:
         self.resolve_ties()
         groups: dict[str, list[str]] = {}
-        for c in sorted(self.parent, key=self.index.get):
+        for c in sorted(self.parent, key=self._order):
             groups.setdefault(self.find(c), []).append(c)
         units = []
         for names in sorted(groups.values(), key=lambda g: self.index[g[0]]):
