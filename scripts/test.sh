@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Quickstart command 2 (and what .ci/run runs): the whole test suite, on both legs of
 # scripts/legs.env. Each leg sets up its own environment (scripts/setup.sh) first:
-#   pinned  ./.venv: the main suite (tests/) on the oldest supported Python with every dependency
-#           at its declared floor; then the torchtune parity suite (tests_peers/) in ./.venv-peers
-#           (torchtune 0.6.1, torchao 0.14.1, accelerate; created by benchmarks/setup_peers.sh)
+#   pinned  ./.venv: ruff and mypy (scripts/lint.sh), then the main suite (tests/) on the oldest
+#           supported Python with every dependency at its declared floor; then the torchtune
+#           parity suite (tests_peers/) in ./.venv-peers (torchtune 0.6.1, torchao 0.14.1,
+#           accelerate; created by benchmarks/setup_peers.sh)
 #   newest  ./.venv-newest: the main suite on the newest Python with the newest torch release
 #
 # Usage: bash scripts/test.sh [--leg pinned|newest|all] [--no-peers] [pytest args for the main suite...]
@@ -31,6 +32,9 @@ for LEG in $LEGS; do
     [ "$LEG" = newest ] && VENV=.venv-newest
     echo "[test] leg '$LEG': setting up $VENV"
     FSDPTK_LEG="$LEG" bash scripts/setup.sh test
+    if [ "$LEG" = pinned ]; then
+        bash scripts/lint.sh
+    fi
     "$VENV/bin/python" -c 'import sys, torch; print(f"[test] leg {sys.argv[1]}: Python {sys.version.split()[0]}, torch {torch.__version__}")' "$LEG"
     FSDPTK_LEG="$LEG" "$VENV/bin/python" -m pytest -q "$@"
     if [ "$LEG" = pinned ] && [ "$PEERS" = 1 ]; then
