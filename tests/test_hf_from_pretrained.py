@@ -7,7 +7,8 @@ save_pretrained in the test, nothing downloaded), on 2 gloo ranks (FSDP) and 4 (
   (that path needs accelerate even on CPU: skipped where it is not installed);
 - the model trains a step (the whole batch's loss is the single-process loss), saves with
   save_safetensors, and from_pretrained loads the directory again with identical logits;
-- rank 0 reads and sends when the other ranks do not see the directory;
+- rank 0 reads and sends when the other ranks do not see the directory; activation checkpointing
+  recomputes each decoder layer and mixed precision gathers in bf16 over fp32 shards;
 - the errors (no config.json, a TP size the heads do not divide, dims that do not match the world)
   are the same on every rank and come before any weight is read.
 """
@@ -147,6 +148,30 @@ def _ours_and_transformers(src: str, dims_kw) -> dict:
     return {"ours": ours, "theirs": _logits(theirs, batch)}
 
 
+def _ac_and_mixed_precision(src: str) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    rows = _batch()[:2] if torch.distributed.get_rank() == 0 else _batch()[2:]
+    out = {}
+    for ac in (False, True):
+        model = from_pretrained(src, mp_policy=policy, activation_checkpointing=ac).train()
+        layer = model.model.layers[0]
+        seen = {"calls": 0, "dtype": None}
+
+        def count(module, args, seen=seen):
+            seen["calls"] += 1
+            seen["dtype"] = module.self_attn.q_proj.weight.dtype
+
+        layer.register_forward_pre_hook(count)
+        loss = model(input_ids=rows, labels=rows).loss
+        loss.backward()
+        grad = model.model.layers[1].mlp.down_proj.weight.grad.full_tensor()
+        out[ac] = {"loss": loss.item(), "grad": grad, **seen,
+                   "master": model.model.layers[0].self_attn.q_proj.weight.dtype}
+    return out
+
+
 def _error(src: str, dims_kw) -> tuple[str, str]:
     try:
         from_pretrained(src, dims=_dims(dims_kw))
@@ -209,6 +234,16 @@ def test_rank0_reads_and_sends_when_other_ranks_do_not_see_the_directory(world, 
     for r in results:
         assert (r["logits"] - ref["logits"]).abs().max().item() <= _ATOL
         assert r["generation_config"]["max_new_tokens"] == 17
+
+
+def test_activation_checkpointing_and_mixed_precision(world, reference):
+    for r in world(2).run(_ac_and_mixed_precision, str(reference("llama")["src"])):
+        plain, checkpointed = r[False], r[True]
+        assert plain["calls"] == 1 and checkpointed["calls"] == 2  # recomputed in backward
+        assert plain["dtype"] == checkpointed["dtype"] == torch.bfloat16  # gathered in bf16
+        assert plain["master"] == checkpointed["master"] == torch.float32  # sharded in fp32
+        assert plain["loss"] == checkpointed["loss"]
+        assert torch.equal(plain["grad"], checkpointed["grad"])
 
 
 def _same_on_every_rank(results: list[tuple[str, str]], kind: str, pattern: str) -> None:
