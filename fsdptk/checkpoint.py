@@ -30,6 +30,7 @@ from fsdptk._core.names import tie_groups
 from fsdptk._engine import bucket_size
 from fsdptk._engine.sources import SliceSource
 from fsdptk._files.common import Rename, infer_device, progress_bar, rename_keys, trim_heap
+from fsdptk._files.hf_config import stage_hf_config
 from fsdptk._files.lock import CheckpointLockedError
 from fsdptk._files.safetensors_io import (
     INDEX_SUFFIX,
@@ -360,11 +361,9 @@ def save_safetensors(
     files = plan_shards(entries, limit)  # validates dtypes on every rank
 
     def open_writer() -> tuple[ShardedWriter, Any]:
-        from fsdptk.hf import _stage_hf_config
-
         w = ShardedWriter(path, entries, max_shard_size=limit, metadata=metadata)
         try:
-            staged = _stage_hf_config(model, path, dtype=dtype) if write_config else None
+            staged = stage_hf_config(model, path, dtype=dtype) if write_config else None
         except BaseException:
             w.abort()
             raise

@@ -272,17 +272,17 @@ def test_a_failed_save_leaves_no_new_config(tmp_path, monkeypatch):
 
 def test_the_config_is_committed_under_the_directory_lock(tmp_path, monkeypatch):
     # a second writer must not interleave between the weights commit and the config rename
-    from fsdptk import hf
+    from fsdptk._files.hf_config import StagedConfig
     from fsdptk._files.safetensors_writer import LOCK_NAME
 
     seen = []
-    original = hf._StagedConfig.commit
+    original = StagedConfig.commit
 
     def commit(self):
         seen.append((self.directory / LOCK_NAME).exists())
         return original(self)
 
-    monkeypatch.setattr(hf._StagedConfig, "commit", commit)
+    monkeypatch.setattr(StagedConfig, "commit", commit)
     model = transformers.AutoModelForCausalLM.from_config(_config("qwen2"))
     save_safetensors(model, tmp_path)
     assert seen == [True]
