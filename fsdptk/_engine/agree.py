@@ -28,6 +28,7 @@ from fsdptk._dist import raise_problems as _raise
 from fsdptk._dist import world as _world
 from fsdptk._engine.layouts import Layout, PlainLayout, layout_of
 from fsdptk._engine.sources import Source, SourceProblem, TensorMeta, as_source
+from fsdptk._engine.wire import Refused
 
 
 @dataclass
@@ -325,6 +326,12 @@ class Status:
             if context:
                 error.add_note(f"fsdptk {self.what}: {context} on rank {_world()[1]}")
             self.error = error
+
+    def fail_post(self, refused: Refused | None) -> None:
+        """Record a post of a bucket's message that raised (``InFlight.post_all`` still posted
+        every message of the bucket, so the peers reach the next agreement, where it is raised)."""
+        if refused is not None:
+            self.fail(refused.error, f"posting a message of a bucket for rank {refused.peer}")
 
     def replica(self, fqn: str, tensors: Iterable[torch.Tensor]) -> None:
         """Remember the checksum of a replicated tensor this rank read from its own source."""

@@ -169,13 +169,14 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
             if rank != 0:
                 with comm_errors(status.what):
                     flight.wait()  # bucket k-1 is out: its buffer is free
-                    flight.post([dist.isend(t, dst=0) for t in msgs.get(rank, [])], msgs.get(rank, []))
+                    refused = flight.post_all(dist.isend, [(0, t) for t in msgs.get(rank, [])])
+                status.fail_post(refused)
                 del msgs
                 yield from hand_over([[]], status)
                 continue
             with comm_errors(status.what):
-                flight.post([dist.irecv(t, src=r) for r, ts in msgs.items() for t in ts],
-                            [t for ts in msgs.values() for t in ts])
+                refused = flight.post_all(dist.irecv, [(r, t) for r, ts in msgs.items() for t in ts])
+            status.fail_post(refused)
             _collect_own(items, layouts, bucket, boxes[0], fulls, status)  # while the bytes arrive
             held = (bucket, fulls, bufs)
             del msgs, fulls, bufs
