@@ -193,3 +193,53 @@ def test_a_post_failing_on_one_live_rank_raises_on_every_rank(world, tmp_path, c
     assert res[fail_rank][4] >= 2, res[fail_rank]  # the injected post was reached
     if call == "save":
         assert not list((tmp_path / "out").glob("*.safetensors*"))  # nothing committed
+
+
+# ----------------------------------------------------------------------------------------------
+# source tensors that cannot be read: refused in the metadata agreement, naming the key
+def _unreadable(what: str, bcast: bool, bad_rank: int) -> tuple[str, str, float, bool]:
+    from fsdptk import load_from_full_model_state_dict
+
+    model, sd = _model(), _full_sd()
+    if dist.get_rank() == bad_rank:
+        sd["1.weight"] = (torch.empty(512, 512, device="meta") if what == "meta"
+                          else sd["1.weight"].to_sparse())
+    if bcast and dist.get_rank() != 0:
+        sd = {}
+    res = _timed(load_from_full_model_state_dict, model, sd, "cpu", broadcast_from_rank0=bcast)
+    return (*res, _meta(model))
+
+
+@pytest.mark.parametrize("what,bcast,bad_rank", [("meta", True, 0), ("sparse", True, 0), ("meta", False, 1)])
+def test_unreadable_source_tensors_are_refused_naming_the_key(world, what, bcast, bad_rank) -> None:
+    res = world(2).run(_unreadable, what, bcast, bad_rank, timeout=_HARD_TIMEOUT, return_exceptions=True)
+    for rank, r in enumerate(res):
+        assert not isinstance(r, RemoteError), (rank, r)
+        kind, msg, seconds, untouched = r
+        assert kind == "ValueError", (rank, kind, msg)
+        assert "'1.weight'" in msg and ("meta device" if what == "meta" else "sparse") in msg, (rank, msg)
+        assert seconds < _PROMPT and untouched, (rank, seconds, untouched)
+        if not bcast:
+            assert f"rank {bad_rank}: '1.weight'" in msg, (rank, msg)
+
+
+def _optim_unreadable() -> tuple[str, str, float, bool]:
+    from fsdptk import get_full_optimizer_state_dict, load_from_full_optimizer_state_dict
+
+    model = _loaded()
+    opt = _trained(model)
+    osd = get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0)
+    if dist.get_rank() == 0:
+        osd["state"]["1.weight"]["exp_avg"] = torch.empty(512, 512, device="meta")
+    fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
+    res = _timed(load_from_full_optimizer_state_dict, model, fresh, osd, "cpu", broadcast_from_rank0=True)
+    return (*res, not fresh.state)
+
+
+def test_unreadable_optimizer_state_is_refused_naming_the_key(world) -> None:
+    res = world(2).run(_optim_unreadable, timeout=_HARD_TIMEOUT, return_exceptions=True)
+    for rank, r in enumerate(res):
+        assert not isinstance(r, RemoteError), (rank, r)
+        kind, msg, seconds, untouched = r
+        assert kind == "ValueError" and "1.weight" in msg and "exp_avg" in msg and "meta device" in msg, (rank, msg)
+        assert seconds < _PROMPT and untouched, (rank, seconds, untouched)

@@ -6,11 +6,14 @@ exception on every rank. The metadata agreement (:func:`agree`, one object all-g
 rank's local error; after it every bucket has exactly one status agreement (:class:`Status`: one
 ``all_reduce`` of three int64s: the lowest failing rank, and a checksum of the replicated tensors
 read since the last agreement), placed before any byte of that bucket moves, plus one after the
-last bucket. A rank that fails (a read, a pack, an unpack, the caller's code thrown in with
-``generator.throw``) stops working and goes to the next agreement, where every rank raises the
-lowest failing rank's error (one object all-gather of the messages, only then). Outputs are yielded
-only after their bucket's agreement, and the final agreement runs before the generator ends, so a
-caller that assigns after the loop never assigns on one rank what another rank failed to load.
+last bucket. A rank that fails (a read, a pack, an unpack, the post of a message, the caller's
+code thrown in with ``generator.throw``) stops working and goes to the next agreement, where every
+rank raises the lowest failing rank's error (one object all-gather of the messages, only then); a
+post that raises still posts every message of the bucket the peers wait for
+(:meth:`~fsdptk._engine.wire.InFlight.post_all`), so they reach that agreement too. Outputs are
+yielded only after their bucket's agreement, and the final agreement runs before the generator
+ends, so a caller that assigns after the loop never assigns on one rank what another rank failed
+to load.
 """
 
 from __future__ import annotations

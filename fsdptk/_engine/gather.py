@@ -36,8 +36,11 @@ def _collect_view(t: object, rank: int) -> tuple[Layout | None, Box | None, str 
     if not isinstance(t, torch.Tensor):
         return None, None, f"expected a tensor, got {type(t).__name__}"
     layout = layout_of(t)
-    if local_tensor(t).is_meta:
+    local = local_tensor(t)
+    if local.is_meta:
         return layout, None, f"is on the meta device (shape {list(t.shape)}); load or initialise it first"
+    if local.layout != torch.strided:
+        return layout, None, f"has layout {local.layout}: only dense (torch.strided) tensors can be gathered"
     return layout, layout.send_box(rank), None
 
 

@@ -106,11 +106,12 @@ class InFlight:
         Each message is one a peer has posted (or will post) its side of, with the size every rank
         derived from the agreed metadata. So a post that raises (an I/O error where the message is
         posted, while this process lives on; a post that raises has posted nothing) does not end
-        the bucket here: the message is posted again, from or into the same memory (the agreed size, and a receiver gets the real bytes),
-        and so is every later one. The peers' waits then complete, they reach the next status
-        agreement, and the caller reports the returned failure there, on every rank. Only when the
-        second post of a message raises as well (a transport that refuses every post: a network
-        failure) are the remaining messages left unposted.
+        the bucket here: the message is posted again, from or into the same memory (the agreed
+        size, and a receiver gets the real bytes), and so is every later one. The peers' waits then
+        complete, they reach the next status agreement, and the caller reports the returned
+        failure there, on every rank. Only when the second post of a message raises as well (a
+        transport that refuses every post: a network failure) are the remaining messages left
+        unposted.
 
         Returns:
             Refused | None: the first post that raised and its peer, or ``None``.
