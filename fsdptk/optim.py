@@ -27,7 +27,7 @@ from fsdptk import _engine
 from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.compat import local_tensor
 from fsdptk._core.dist import agreed, check_comm_device, check_rank_zero, check_type, is_rank0
-from fsdptk._engine import bucket_size, check_source, layout_of, merge_checks
+from fsdptk._engine import ShapesSource, TensorMeta, bucket_size, check_source, layout_of, merge_checks
 from fsdptk._plans.optim_layout import (
     PARAMS,
     PG,
@@ -490,9 +490,9 @@ def load_from_full_optimizer_state_dict(
         params = {fqn: p for group in ours for fqn, p in group}
         view, saved, mine = (_reader_view(model, ours, full_sd, param_names, broadcast_from_rank0) if reads
                              else (None, {}, None))
-        shapes = {fqn: torch.empty(p.shape, dtype=p.dtype, device="meta") for fqn, p in params.items()}
+        shapes = ShapesSource({fqn: TensorMeta(tuple(p.shape), p.dtype) for fqn, p in params.items()})
     except Exception as e:  # noqa: BLE001 - agreed by the engine's exchange just below
-        error, params, shapes, mine = e, {}, {}, None
+        error, params, shapes, mine = e, {}, ShapesSource({}), None
         dev, nbytes = torch.device("cpu"), 1
     # ONE object exchange before any tensor moves: the engine agrees on the parameters' layouts
     # (the same targets on every rank) and carries each reading rank's view of the state, or its

@@ -31,11 +31,11 @@ from fsdptk._engine.agree import LoadPlan, agree, check_source, merge_checks
 from fsdptk._engine.gather import collect
 from fsdptk._engine.layouts import layout_of
 from fsdptk._engine.scatter import distribute
-from fsdptk._engine.sources import Source, TensorMeta
+from fsdptk._engine.sources import ShapesSource, Source, TensorMeta
 from fsdptk._engine.wire import DEFAULT_BUCKET_BYTES
 
-__all__ = ["agree", "distribute", "collect", "LoadPlan", "TensorMeta", "Source", "DEFAULT_BUCKET_BYTES",
-           "bucket_size", "check_source", "merge_checks", "layout_of"]
+__all__ = ["agree", "distribute", "collect", "LoadPlan", "TensorMeta", "Source", "ShapesSource",
+           "DEFAULT_BUCKET_BYTES", "bucket_size", "check_source", "merge_checks", "layout_of"]
 
 
 def bucket_size(bucket_bytes: int | None) -> int:

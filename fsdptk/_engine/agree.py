@@ -6,11 +6,14 @@ exception on every rank. The metadata agreement (:func:`agree`, one object all-g
 rank's local error; after it every bucket has exactly one status agreement (:class:`Status`: one
 ``all_reduce`` of three int64s: the lowest failing rank, and a checksum of the replicated tensors
 read since the last agreement), placed before any byte of that bucket moves, plus one after the
-last bucket. A rank that fails (a read, a pack, an unpack, the caller's code thrown in with
-``generator.throw``) stops working and goes to the next agreement, where every rank raises the
-lowest failing rank's error (one object all-gather of the messages, only then). Outputs are yielded
-only after their bucket's agreement, and the final agreement runs before the generator ends, so a
-caller that assigns after the loop never assigns on one rank what another rank failed to load.
+last bucket. A rank that fails (a read, a pack, an unpack, the post of a message, the caller's
+code thrown in with ``generator.throw``) stops working and goes to the next agreement, where every
+rank raises the lowest failing rank's error (one object all-gather of the messages, only then); a
+post that raises still posts every message of the bucket the peers wait for
+(:meth:`~fsdptk._engine.wire.InFlight.post_all`), so they reach that agreement too. Outputs are
+yielded only after their bucket's agreement, and the final agreement runs before the generator
+ends, so a caller that assigns after the loop never assigns on one rank what another rank failed
+to load.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from fsdptk._core.dist import raise_problems as _raise
 from fsdptk._core.dist import world as _world
 from fsdptk._engine.layouts import Layout, PlainLayout, layout_of
 from fsdptk._engine.sources import Source, SourceProblem, TensorMeta, as_source
+from fsdptk._engine.wire import Refused
 
 
 @dataclass
@@ -325,6 +329,12 @@ class Status:
             if context:
                 error.add_note(f"fsdptk {self.what}: {context} on rank {_world()[1]}")
             self.error = error
+
+    def fail_post(self, refused: Refused | None) -> None:
+        """Record a post of a bucket's message that raised (``InFlight.post_all`` still posted
+        every message of the bucket, so the peers reach the next agreement, where it is raised)."""
+        if refused is not None:
+            self.fail(refused.error, f"posting a message of a bucket for rank {refused.peer}")
 
     def replica(self, fqn: str, tensors: Iterable[torch.Tensor]) -> None:
         """Remember the checksum of a replicated tensor this rank read from its own source."""

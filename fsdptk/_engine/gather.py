@@ -36,8 +36,11 @@ def _collect_view(t: object, rank: int) -> tuple[Layout | None, Box | None, str 
     if not isinstance(t, torch.Tensor):
         return None, None, f"expected a tensor, got {type(t).__name__}"
     layout = layout_of(t)
-    if local_tensor(t).is_meta:
+    local = local_tensor(t)
+    if local.is_meta:
         return layout, None, f"is on the meta device (shape {list(t.shape)}); load or initialise it first"
+    if local.layout != torch.strided:
+        return layout, None, f"has layout {local.layout}: only dense (torch.strided) tensors can be gathered"
     return layout, layout.send_box(rank), None
 
 
@@ -169,13 +172,14 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
             if rank != 0:
                 with comm_errors(status.what):
                     flight.wait()  # bucket k-1 is out: its buffer is free
-                    flight.post([dist.isend(t, dst=0) for t in msgs.get(rank, [])], msgs.get(rank, []))
+                    refused = flight.post_all(dist.isend, [(0, t) for t in msgs.get(rank, [])])
+                status.fail_post(refused)
                 del msgs
                 yield from hand_over([[]], status)
                 continue
             with comm_errors(status.what):
-                flight.post([dist.irecv(t, src=r) for r, ts in msgs.items() for t in ts],
-                            [t for ts in msgs.values() for t in ts])
+                refused = flight.post_all(dist.irecv, [(r, t) for r, ts in msgs.items() for t in ts])
+            status.fail_post(refused)
             _collect_own(items, layouts, bucket, boxes[0], fulls, status)  # while the bytes arrive
             held = (bucket, fulls, bufs)
             del msgs, fulls, bufs

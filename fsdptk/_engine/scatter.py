@@ -206,14 +206,13 @@ def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, re
             with comm_errors(status.what):
                 if rank == 0:
                     flight.wait()  # bucket k-1 is out: its buffers are free
-                    flight.post([dist.isend(t, dst=r) for r, ts in msgs.items() for t in ts],
-                                [t for ts in msgs.values() for t in ts])
+                    refused = flight.post_all(dist.isend, [(r, t) for r, ts in msgs.items() for t in ts])
                 else:
-                    mine = msgs.get(rank, [])
                     posted = InFlight()
-                    posted.post([dist.irecv(t, src=0) for t in mine], mine)
+                    refused = posted.post_all(dist.irecv, [(0, t) for t in msgs.get(rank, [])])
                     flight.wait()  # bucket k-1 has arrived (bucket k's receives are already posted)
                     flight = posted
+            status.fail_post(refused)
             if rank == 0:
                 yield from _scatter_own(own, device, status)  # while the bucket is on the wire
             elif held is not None:

@@ -96,6 +96,9 @@ class MappingSource:
             raise SourceProblem("TypeError", f"{key!r}: the source holds a DTensor; expected a full (plain) tensor")
         if not isinstance(value, torch.Tensor):
             raise SourceProblem("TypeError", f"{key!r}: expected a tensor, got {type(value).__name__} ({value!r:.60})")
+        problem = unreadable(key, value)
+        if problem is not None:
+            raise SourceProblem("ValueError", problem)
         holds = holds_value(self.mapping, key) and value.is_contiguous()
         return TensorMeta(tuple(value.shape), value.dtype, value.device.type if holds and not value.is_meta else None)
 
@@ -109,6 +112,65 @@ class MappingSource:
                 del self.mapping[key]
             except (KeyError, TypeError, NotImplementedError):
                 pass
+
+
+class ShapesSource:
+    """Shapes and dtypes only, no data: a :class:`Source` for agreeing on a plan whose tensors are
+    read from another source later (an optimizer's state is agreed over its parameters' shapes).
+
+    Example:
+        >>> import torch
+        >>> ShapesSource({"w": TensorMeta((2, 3), torch.float32)}).meta("w").shape
+        (2, 3)
+    """
+
+    def __init__(self, metas: Mapping[str, TensorMeta]) -> None:
+        self.metas = metas
+
+    def keys(self) -> Iterable[str]:
+        return self.metas.keys()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.metas
+
+    def meta(self, key: str) -> TensorMeta:
+        return self.metas[key]
+
+    def read(self, key: str, box: Box | None = None) -> torch.Tensor:
+        raise TypeError(f"{key!r}: a ShapesSource holds shapes and dtypes only, no data to read")
+
+    def release(self, key: str) -> None:
+        """Nothing is held: nothing to release."""
+
+
+def unreadable(key: str, value: torch.Tensor) -> str | None:
+    """Why the engine cannot read the source tensor ``value`` of ``key``, or ``None`` when it can.
+
+    Refused in the metadata agreement (on every rank, naming the key) rather than failing as a
+    torch error without the key once the data moves: a tensor on the ``meta`` device (no data: a
+    state dict built under ``torch.device("meta")``, or one whose entries an earlier load released),
+    a sparse (or other non-strided) tensor, and a tensor on a device this process cannot copy from
+    (neither the CPU nor its accelerator, where the transport's pieces are made).
+
+    Example:
+        >>> import torch
+        >>> unreadable("w", torch.ones(2)) is None
+        True
+        >>> unreadable("w", torch.ones(2).to_sparse())
+        "'w': the source's tensor is sparse (layout torch.sparse_coo): pass a dense tensor (.to_dense())"
+    """
+    if value.is_meta:
+        return (f"{key!r}: the source's tensor is on the meta device (shape {list(value.shape)}): it has no "
+                "data to load (a state dict built under torch.device('meta'), or whose entries an earlier "
+                "load released with release_sd=True: read it from the checkpoint again)")
+    if value.layout != torch.strided:
+        kind = "sparse" if value.is_sparse or "sparse" in str(value.layout) else "not a dense tensor"
+        return f"{key!r}: the source's tensor is {kind} (layout {value.layout}): pass a dense tensor (.to_dense())"
+    accelerator = torch.accelerator.current_accelerator()
+    if value.device.type not in ("cpu", getattr(accelerator, "type", "cpu")):
+        return (f"{key!r}: the source's tensor is on {value.device}, which this process cannot take "
+                f"(the CPU or {accelerator or 'no accelerator'}): move it to the CPU first")
+    return None
 
 
 def holds_value(mapping: Any, key: str) -> bool:

@@ -13,7 +13,8 @@ receive posted) while bucket k is on the wire, so a rank holds at most one extra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -77,22 +78,58 @@ def is_direct(shape: Sequence[int], dtype: torch.dtype, packable_only: bool = Fa
     return not packable_only and nbytes(shape, dtype) >= DIRECT_MIN_BYTES
 
 
+class Refused(NamedTuple):
+    """A post of a point-to-point message that raised: the error, and the peer it was for."""
+
+    error: BaseException
+    peer: int
+
+
 class InFlight:
     """The posted point-to-point transfers of one bucket and the tensors they read or fill.
 
     The tensors are held until :meth:`wait` returns, so nothing a transfer touches is freed or
     reused while it is on the wire. Once the bucket's status is agreed every rank posts its part
-    of the bucket unconditionally, so a wait always has a matching peer.
+    of the bucket unconditionally, so a wait always has a matching peer: even when a post raises
+    on this rank (see :meth:`post_all`).
     """
 
     def __init__(self) -> None:
         self.works: list[object] = []
         self.tensors: list[torch.Tensor] = []
 
-    def post(self, works: Sequence[object], tensors: Sequence[torch.Tensor]) -> None:
-        """Remember ``works`` and keep ``tensors`` alive until :meth:`wait`."""
-        self.works.extend(works)
-        self.tensors.extend(tensors)
+    def post_all(self, op: Callable[[torch.Tensor, int], object],
+                 messages: Iterable[tuple[int, torch.Tensor]]) -> Refused | None:
+        """Post every ``(peer, tensor)`` message with ``op`` (``dist.isend`` or ``dist.irecv``), in
+        order, and keep the tensors alive until :meth:`wait`.
+
+        Each message is one a peer has posted (or will post) its side of, with the size every rank
+        derived from the agreed metadata. So a post that raises (an I/O error where the message is
+        posted, while this process lives on; a post that raises has posted nothing) does not end
+        the bucket here: the message is posted again, from or into the same memory (the agreed
+        size, and a receiver gets the real bytes), and so is every later one. The peers' waits then
+        complete, they reach the next status agreement, and the caller reports the returned
+        failure there, on every rank. Only when the second post of a message raises as well (a
+        transport that refuses every post: a network failure) are the remaining messages left
+        unposted.
+
+        Returns:
+            Refused | None: the first post that raised and its peer, or ``None``.
+        """
+        refused: Refused | None = None
+        for peer, t in messages:
+            try:
+                work = op(t, peer)
+            except Exception as exc:  # noqa: BLE001 - returned, agreed by the caller
+                if refused is None:
+                    refused = Refused(exc, peer)
+                try:
+                    work = op(t, peer)  # the peer waits for this message: post it again
+                except Exception:  # noqa: BLE001 - the first error is the one reported
+                    return refused
+            self.works.append(work)
+            self.tensors.append(t)
+        return refused
 
     def wait(self) -> None:
         """Wait for every posted transfer; then the tensors may be freed or read."""
