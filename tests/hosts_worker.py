@@ -324,7 +324,7 @@ def kill_load(spec: dict, out: Path) -> None:
             load_from_full_model_state_dict(model, dict(full), "cpu", broadcast_from_rank0=True)
             n += 1
             if n == 1:
-                marker.write_text("loading\n")
+                marker.write_text(os.environ["FSDPTK_HOST"])
     except BaseException as e:  # noqa: BLE001 - what the survivors raise is the result
         rec = {"rank": steps.rank, "host": int(os.environ["FSDPTK_HOST"]), "loads": n,
                "raised_at": time.time(), "exc_type": type(e).__name__, "message": str(e)[:4000],
@@ -335,6 +335,11 @@ def kill_load(spec: dict, out: Path) -> None:
 
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
+    import faulthandler
+    import signal
+
+    stacks = open(Path(spec["out_dir"]) / f"stacks-rank{os.environ['RANK']}.txt", "w")  # noqa: SIM115
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)  # for a hung rank
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -270,8 +270,20 @@ class Launch:
                 self._ended[i] = time.time()
         return codes
 
+    def stop(self) -> list[HostRun]:
+        """Kill every host's processes now and collect what they did (never raises).
+
+        After a host was killed, the survivors' ``torchrun`` agents wait in their exit barrier for
+        the lost node (minutes): a test reads what the ranks wrote, then stops the launch.
+        """
+        for host in range(len(self.procs)):
+            self.kill_host(host)
+        for p in self.procs:
+            p.wait()
+        return self.wait()
+
     def wait(self, timeout: float | None = None) -> list[HostRun]:
-        """Wait for every host's command; kill all of them once ``timeout`` seconds have passed.
+        """Wait for every host's command; kill all of them ``timeout`` seconds after this call.
 
         Returns:
             list[HostRun]: one per host, with the link counters' difference over the run.
@@ -280,7 +292,7 @@ class Launch:
             TimeoutError: the commands outlived ``timeout``; every host's processes are killed
                 first (the message carries the tails of their outputs).
         """
-        deadline = None if timeout is None else self.started + timeout
+        deadline = None if timeout is None else time.time() + timeout
         timed_out = False
         while any(c is None for c in self.poll()):
             if deadline is not None and time.time() > deadline:
