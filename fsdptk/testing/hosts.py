@@ -345,7 +345,7 @@ class Hosts:
 
     Example:
         >>> from fsdptk.testing.hosts import Hosts
-        >>> with Hosts(2, rate="1gbit") as hosts:  # root only  # doctest: +SKIP
+        >>> with Hosts(2, rate="1gbit") as hosts:  # root; tests/test_hosts.py runs it  # doctest: +SKIP
         ...     runs = hosts.torchrun(["train.py"], nproc_per_node=2, timeout=300)
         ...     crossed = sum(r.link.tx_bytes for r in runs)  # bytes sent between hosts
     """
