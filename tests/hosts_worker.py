@@ -171,7 +171,10 @@ class Steps:
                 load_from_full_model_state_dict(model, full, "cpu", strict=True, broadcast_from_rank0=True)
                 return check_shards(model, self.ref)
         else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
 
             model.to_empty(device="cpu")
 
@@ -201,7 +204,10 @@ class Steps:
             def get():
                 return gather_cpu_state_dict(model, self.rank == 0)
         else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
 
             def get():
                 return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
@@ -223,7 +229,10 @@ class Steps:
                 save_safetensors(model, out, progress=False)
         else:
             from safetensors.torch import save_file
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
 
             def save():
                 sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
@@ -252,7 +261,10 @@ class Steps:
             def load():
                 load_from_full_optimizer_state_dict(model, opt, full, "cpu", broadcast_from_rank0=True)
         else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_optimizer_state_dict,
+            )
 
             def load():
                 set_optimizer_state_dict(model, opt, full, options=StateDictOptions(
@@ -277,7 +289,10 @@ class Steps:
             def get():
                 return get_full_optimizer_state_dict(model, opt, self.rank == 0)
         else:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_optimizer_state_dict,
+            )
 
             def get():
                 return get_optimizer_state_dict(model, opt, options=StateDictOptions(

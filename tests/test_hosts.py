@@ -244,19 +244,18 @@ def test_host_killed_error_names_the_lost_rank(killed_host):
 
 
 def _our_namespaces() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
     return {line.split()[0] for line in out.splitlines() if line.startswith(f"fsdptk-{os.getpid()}-")}
 
 
 @needs_hosts
 def test_teardown_after_an_error_leaves_nothing():
     before = _our_namespaces()
-    with pytest.raises(KeyError):
-        with Hosts(2) as h:
-            made = set(h.netns) | {h.switch_netns}
-            assert made <= _our_namespaces()
-            proc = h.exec(1, ["sleep", "60"])
-            raise KeyError("boom")
+    with pytest.raises(KeyError), Hosts(2) as h:
+        made = set(h.netns) | {h.switch_netns}
+        assert made <= _our_namespaces()
+        proc = h.exec(1, ["sleep", "60"])
+        raise KeyError("boom")
     assert proc.poll() is not None  # killed
     assert _our_namespaces() == before
     assert not any((Path("/etc/netns") / n).exists() for n in made)

@@ -46,8 +46,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Hosts", "HostRun", "Launch", "LinkStats", "HostsUnavailable", "hosts_unavailable",
-           "link_stats"]
+__all__ = [
+    "HostRun",
+    "Hosts",
+    "HostsUnavailable",
+    "Launch",
+    "LinkStats",
+    "hosts_unavailable",
+    "link_stats",
+]
 
 IFNAME = "eth0"  # the one interface of every host (inside its own namespace)
 _PREFIX = "fsdptk-"
@@ -162,7 +169,7 @@ def hosts_unavailable(*, shaping: bool = True) -> str | None:
 
 
 def _ip(args: Sequence[str], *, check: bool = True) -> str:
-    res = subprocess.run(["ip", *args], capture_output=True, text=True)
+    res = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
     if check and res.returncode != 0:
         raise HostsUnavailable(f"`ip {' '.join(args)}` failed ({res.returncode}): "
                                f"{res.stderr.strip()}")
@@ -176,7 +183,7 @@ def _tc(netns: str, dev: str, rate: str | None, delay: str | None) -> None:
     else:  # a token bucket: a burst above the largest GSO frame (64 KiB), a queue that never drops
         qdisc = ["tbf", "rate", rate or "", "burst", "256kb", "limit", "64mb"]
     res = subprocess.run(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", *qdisc],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, check=False)
     if res.returncode != 0:
         raise HostsUnavailable(
             f"`tc qdisc replace dev {dev} root {' '.join(qdisc)}` in {netns} failed: "
@@ -195,7 +202,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _netns_pids(netns: str) -> list[int]:
-    out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True, check=False).stdout
     return [int(p) for p in out.split()]
 
 
@@ -211,13 +218,13 @@ def _delete_netns(netns: str) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.1)
-    subprocess.run(["ip", "netns", "delete", netns], capture_output=True)
+    subprocess.run(["ip", "netns", "delete", netns], capture_output=True, check=False)
     shutil.rmtree(Path("/etc/netns") / netns, ignore_errors=True)
 
 
 def _remove_stale() -> None:
     """Delete namespaces of earlier :class:`Hosts` whose creating process no longer exists."""
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
     for line in out.splitlines():
         name = line.split()[0] if line.split() else ""
         m = _NAME_RE.match(name)
@@ -422,7 +429,7 @@ class Hosts:
         for i in range(1, self.n):
             while True:
                 res = subprocess.run(["ip", "netns", "exec", self.netns[0], "ping", "-c", "1",
-                                      "-W", "1", self.addresses[i]], capture_output=True)
+                                      "-W", "1", self.addresses[i]], capture_output=True, check=False)
                 if res.returncode == 0:
                     break
                 if shutil.which("ping") is None:  # cannot check: give the bridge a moment
