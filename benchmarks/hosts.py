@@ -1,0 +1,195 @@
+"""``python -m benchmarks hosts``: bytes across hosts and wall time on simulated hosts, fsdptk vs DCP.
+
+Builds ``--hosts`` simulated hosts (:class:`fsdptk.testing.hosts.Hosts`: network namespaces on a
+bridge, each link shaped to ``--rate`` both ways) and runs ``--per-host`` ranks on each under
+``torchrun`` (c10d rendezvous on host 0, gloo bound to the host's link). One launch runs every
+scenario on both meshes (FSDP over all ranks; HSDP: replicate across hosts, shard within) for every
+method, in sequence (``tests/hosts_worker.py``): per step, one rank per host reads its link's
+kernel counters between barriers, so the bytes that crossed between hosts are the sum of the
+hosts' ``tx_bytes`` over the step, headers included. Every step is checked bit for bit against the
+single-process reference.
+
+Methods: ``fsdptk`` (``load_from_full_model_state_dict(broadcast_from_rank0=True)``,
+``load_safetensors`` from each host's own copy of the checkpoint, ``gather_cpu_state_dict``,
+``save_safetensors``, the optimizer pair) and ``dcp`` (PyTorch's ``set_model_state_dict`` /
+``get_model_state_dict`` with ``full_state_dict=True`` and ``broadcast_from_rank0=True`` /
+``cpu_offload=True``, the optimizer pair likewise, ``save`` = the gather + ``safetensors.save_file``
+on rank 0; DCP's state-dict API has no shard-on-read). accelerate and transformers'
+``from_pretrained(distributed_config)`` are not run here (see docs/scale.md).
+
+Writes ``benchmarks/results/hosts-<date>.json`` (or ``--json``) and prints a markdown table with
+the bytes each method's formula predicts (docs/scale.md) beside the measured ones. Needs root.
+
+Example::
+
+    python -m benchmarks hosts --hosts 2 --per-host 2 --rate 1gbit --layers 24 --dim 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+__all__ = ["main", "predicted_bytes"]
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = REPO / "tests" / "hosts_worker.py"
+SCENARIOS = ["load", "shard_on_read", "gather", "save", "optim_load", "optim_gather"]
+
+
+def predicted_bytes(method: str, mesh: str, scenario: str, s: float, h: int, k: int) -> float | None:
+    """Bytes across hosts by the formulas of docs/scale.md (``s``: model bytes; ``None``: n/a).
+
+    fsdptk sends each rank exactly its bytes from (or to) rank 0; DCP broadcasts every full tensor
+    over the world group (gloo's binomial tree, lowest bit first: every rank outside host 0
+    receives the model once across hosts, (N - K) s for N = h k ranks, N a power of two) and
+    all-gathers every tensor in a ring for a gather (h ring edges cross hosts, each carrying
+    (N - 1)/N s); with HSDP its gather all-gathers within the host only.
+    """
+    n = h * k
+    state = 2 * s if scenario.startswith("optim") else s  # AdamW: exp_avg + exp_avg_sq
+    loading = scenario in ("load", "optim_load")
+    if scenario == "shard_on_read":
+        return 0.0 if method == "fsdptk" else None
+    if method == "fsdptk":
+        if mesh == "fsdp":
+            return state * (h - 1) / h
+        return state * (h - 1) if loading else 0.0
+    if loading:
+        return state * (n - k)
+    return 0.0 if mesh == "hsdp" else state * h * (n - 1) / n
+
+
+def _prepare(work: Path, hosts: int, layers: int, dim: int, dtype: str) -> str:
+    sys.path.insert(0, str(WORKER.parent))
+    import torch
+    from hosts_worker import reference_state
+    from safetensors.torch import save_file
+
+    ref = reference_state(layers, dim, getattr(torch, dtype))
+    for h in range(hosts):
+        d = work / f"host{h}" / "ckpt"
+        d.mkdir(parents=True, exist_ok=True)
+        save_file(ref, d / "model.safetensors", metadata={"format": "pt"})
+    return str(work / "host{host}" / "ckpt")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """One launch on fresh simulated hosts; the per-rank records and the environment."""
+    from fsdptk.testing.hosts import Hosts
+
+    work = Path(tempfile.mkdtemp(prefix="fsdptk-bench-hosts-"))
+    out = work / "out"
+    out.mkdir()
+    spec = {"layers": args.layers, "dim": args.dim, "dtype": args.dtype, "meshes": args.meshes,
+            "methods": args.methods, "scenarios": ["noop", *args.scenarios], "repeats": args.repeats,
+            "ckpt": _prepare(work, args.hosts, args.layers, args.dim, args.dtype), "out_dir": str(out)}
+    (work / "spec.json").write_text(json.dumps(spec))
+    env = {"PYTHONPATH": os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)}
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    with Hosts(args.hosts, rate=args.rate, delay=args.delay) as hosts:
+        runs = hosts.torchrun([str(WORKER), str(work / "spec.json")], nproc_per_node=args.per_host,
+                              env=env, timeout=args.timeout)
+    failed = [r for r in runs if r.returncode != 0]
+    if failed:
+        raise RuntimeError(f"host {failed[0].host} exited {failed[0].returncode}:\n{failed[0].stderr[-4000:]}")
+    records = [x for f in sorted(out.glob("rank*.json")) for x in json.loads(f.read_text())]
+    import torch
+
+    return {"records": records, "meta": {
+        "command": "python -m benchmarks hosts " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["hosts"] else sys.argv[1:]),
+        "hosts": args.hosts, "per_host": args.per_host, "rate": args.rate, "delay": args.delay,
+        "layers": args.layers, "dim": args.dim, "dtype": args.dtype,
+        "model_bytes": args.layers * (args.dim * args.dim + args.dim) * torch.empty((), dtype=getattr(torch, args.dtype)).element_size(),
+        "repeats": args.repeats, "seconds": time.perf_counter() - t0, "loadavg_start": load0,
+        "loadavg_end": os.getloadavg(), "cpus": os.cpu_count(), "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}}
+
+
+def aggregate(results: dict) -> list[dict]:
+    """Rows per (mesh, scenario, method): median bytes across hosts and median seconds over repeats."""
+    steps: dict = defaultdict(lambda: {"crossed": 0, "seconds": 0.0, "checks": set()})
+    for rec in results["records"]:
+        key = (rec["mesh"], rec["scenario"], rec["method"], rec["repeat"])
+        steps[key]["seconds"] = max(steps[key]["seconds"], rec["seconds"])
+        steps[key]["checks"].add(rec["check"])
+        if rec["before"] is not None:
+            steps[key]["crossed"] += rec["after"]["tx_bytes"] - rec["before"]["tx_bytes"]
+    groups: dict = defaultdict(list)
+    for (mesh, scenario, method, _), step in steps.items():
+        groups[(mesh, scenario, method)].append(step)
+    m = results["meta"]
+    rows = []
+    for (mesh, scenario, method), group in groups.items():
+        checks = set().union(*(g["checks"] for g in group))
+        rows.append({"mesh": mesh, "scenario": scenario, "method": method,
+                     "crossed": statistics.median(g["crossed"] for g in group),
+                     "seconds": statistics.median(g["seconds"] for g in group),
+                     "check": "ok" if checks == {"ok"} else sorted(c for c in checks if c != "ok")[0][:200],
+                     "predicted": None if scenario == "noop" else predicted_bytes(
+                         method, mesh, scenario, m["model_bytes"], m["hosts"], m["per_host"])})
+    order = {s: i for i, s in enumerate(["noop", *SCENARIOS])}
+    rows.sort(key=lambda r: (r["mesh"] != "fsdp", order.get(r["scenario"], 99), r["method"]))
+    return rows
+
+
+def render(results: dict) -> str:
+    m = results["meta"]
+    rows = aggregate(results)
+    lines = [f"{m['hosts']} hosts x {m['per_host']} ranks, {m['rate'] or 'unshaped'} links"
+             f"{', delay ' + m['delay'] if m['delay'] else ''}; model {m['layers']} x Linear({m['dim']}, "
+             f"{m['dim']}) {m['dtype']}: S = {m['model_bytes'] / 1e6:.1f} MB; median of {m['repeats']}; "
+             f"load average {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f}",
+             "", "| mesh | scenario | method | MB across hosts | formula MB | / formula | seconds | check |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        pred = r["predicted"]
+        ratio = "-" if not pred else f"{r['crossed'] / pred:.3f}"
+        lines.append(f"| {r['mesh']} | {r['scenario']} | {r['method']} | {r['crossed'] / 1e6:,.2f} | "
+                     f"{'-' if pred is None else f'{pred / 1e6:,.2f}'} | {ratio} | {r['seconds']:.3f} | {r['check']} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the multi-host benchmark (or re-render ``--from-json``) and print the table."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks hosts", description=__doc__.split("\n")[0])
+    p.add_argument("--hosts", type=int, default=2)
+    p.add_argument("--per-host", type=int, default=2, help="ranks per host (torchrun --nproc-per-node)")
+    p.add_argument("--rate", default="1gbit", help="each link's rate, each way (tc syntax); 'none': unshaped")
+    p.add_argument("--delay", default=None, help="one-way delay per link (needs the kernel's sch_netem)")
+    p.add_argument("--layers", type=int, default=24, help="model: this many Linear(dim, dim) (24 x 1024: 100.8 MB fp32)")
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--meshes", nargs="+", default=["fsdp", "hsdp"], choices=["fsdp", "hsdp"])
+    p.add_argument("--methods", nargs="+", default=["fsdptk", "dcp"], choices=["fsdptk", "dcp"])
+    p.add_argument("--scenarios", nargs="+", default=SCENARIOS, choices=SCENARIOS)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--json", default=None, help="default: benchmarks/results/hosts-<date>.json")
+    p.add_argument("--from-json", default=None, help="do not run: print the table of this result file")
+    args = p.parse_args(argv)
+    if args.from_json:
+        print(render(json.loads(Path(args.from_json).read_text())))
+        return 0
+    args.rate = None if args.rate == "none" else args.rate
+    from fsdptk.testing.hosts import hosts_unavailable
+
+    why = hosts_unavailable(shaping=bool(args.rate or args.delay))
+    if why:
+        print(f"python -m benchmarks hosts: {why}", file=sys.stderr)
+        return 1
+    results = run(args)
+    path = Path(args.json or REPO / "benchmarks" / "results" / f"hosts-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    print(render(results))
+    print(f"\n[bench] results: {path}")
+    return 0
