@@ -235,7 +235,7 @@ def test_host_killed_during_load_rank0_raises_within_seconds(killed_host):
     "port ('Connection closed by peer [10.213.0.2]:2243', 'Read error ... Connection reset by "
     "peer'), but no message names the lost rank"))
 def test_host_killed_error_names_the_lost_rank(killed_host):
-    for r, rec in killed_host["raised"].items():
+    for rec in killed_host["raised"].values():
         assert any(f"rank {lost}" in rec["message"] for lost in killed_host["lost"]), rec["message"]
 
 
