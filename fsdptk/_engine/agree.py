@@ -19,9 +19,10 @@ to load.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,33 @@ from fsdptk._engine.sources import Source, SourceProblem, TensorMeta, as_source
 from fsdptk._engine.wire import Refused
 
 
-@dataclass
+class RankLayout(NamedTuple):
+    """One rank's piece of one target, as rank 0 needs it to pack that rank's bytes."""
+
+    local: Any  # the layout's box (or NF4 slice) of the full tensor this rank holds
+    parts: Any  # the layout's wire parts: how that box travels
+
+
+class SourceCheck(NamedTuple):
+    """A reading rank's verdict on its source (:func:`check_source`), exchanged between ranks."""
+
+    problems: list[tuple[str, str]]  # (exception type name, message naming the key)
+    missing: list[str]  # target fqns the source lacks
+    unexpected: list[str]  # source keys that are not targets
+    metas: dict[str, TensorMeta]  # fqn -> the source tensor's shape and dtype
+
+
+class _LoadView(NamedTuple):
+    """What each rank sends in :func:`agree`'s one object exchange."""
+
+    fingerprint: str | None  # of its targets (fqns, shapes, dtypes, layout kinds)
+    check: SourceCheck | None  # its verdict on its source (``None``: it does not read one)
+    layouts: list[RankLayout] | None  # per target, its piece (rank-0 scatters only)
+    error: Any  # error_payload of its local failure, or None
+    extra: Any  # the caller's own pre-flight view
+
+
+@dataclass(frozen=True)
 class LoadPlan:
     """The agreed metadata of one load, returned by :func:`agree` and consumed by ``distribute``.
 
@@ -45,6 +72,10 @@ class LoadPlan:
         metas: fqn -> :class:`TensorMeta` of the source tensor, for every key in ``keys``.
         src_rank0: whether only rank 0 reads the source.
         cast: whether outputs take the target dtype (else the source dtype).
+        entries: ``(fqn, layout)`` of every key, in ``keys`` order.
+        layouts: per rank, per entry, that rank's :class:`RankLayout` (rank-0 scatters with more
+            than one rank only; ``None`` otherwise).
+        extras: per rank, the ``extra`` each rank passed to :func:`agree`.
     """
 
     keys: list[str]
@@ -53,9 +84,9 @@ class LoadPlan:
     metas: dict[str, TensorMeta]
     src_rank0: bool
     cast: bool
-    _entries: list[tuple[str, Layout]]
-    _layouts: list[list[Any]] | None = None  # per rank: per entry (local, parts); src_rank0 only
-    extras: list[Any] | None = None  # per rank: the ``extra`` each rank passed to :func:`agree`
+    entries: list[tuple[str, Layout]]
+    layouts: list[list[RankLayout]] | None = None
+    extras: list[Any] | None = None
 
     @classmethod
     def replicated(cls, targets: Sequence[tuple[str, torch.Tensor]], metas: Mapping[str, TensorMeta]) -> LoadPlan:
@@ -79,9 +110,10 @@ class LoadPlan:
         if bad:
             raise ValueError(f"LoadPlan.replicated takes plain tensors only; {bad} are sharded or quantised")
         world = _world()[0]
-        mine = [(lay.local, lay.parts) for _, lay in entries]
-        return cls([fqn for fqn, _ in entries], [], [], {fqn: metas[fqn] for fqn, _ in entries}, True, True,
-                   entries, [list(mine) for _ in range(world)] if world > 1 else None)
+        mine = [RankLayout(lay.local, lay.parts) for _, lay in entries]
+        return cls(keys=[fqn for fqn, _ in entries], missing=[], unexpected=[],
+                   metas={fqn: metas[fqn] for fqn, _ in entries}, src_rank0=True, cast=True,
+                   entries=entries, layouts=[list(mine) for _ in range(world)] if world > 1 else None)
 
     def moving_like(self, rows: Sequence[tuple[str, str]], metas: Mapping[str, TensorMeta]) -> LoadPlan:
         """A plan for other source tensors, each moving exactly like one of this plan's keys.
@@ -101,10 +133,11 @@ class LoadPlan:
         index = {fqn: i for i, fqn in enumerate(self.keys)}
         picks = [(name, index[key]) for name, key in rows]
         return LoadPlan(
-            [name for name, _ in picks], [], [], {name: metas[name] for name, _ in picks}, self.src_rank0,
-            self.cast, [(name, self._entries[i][1]) for name, i in picks],
-            None if self._layouts is None else [[mine[i] for _, i in picks] for mine in self._layouts],
-            self.extras)
+            keys=[name for name, _ in picks], missing=[], unexpected=[],
+            metas={name: metas[name] for name, _ in picks}, src_rank0=self.src_rank0, cast=self.cast,
+            entries=[(name, self.entries[i][1]) for name, i in picks],
+            layouts=None if self.layouts is None else [[mine[i] for _, i in picks] for mine in self.layouts],
+            extras=self.extras)
 
     def out_dtype(self, fqn: str, layout: Layout) -> torch.dtype:
         """The dtype of ``fqn``'s output: the target's (cast, or NF4) or the source's."""
@@ -124,8 +157,8 @@ def _entry(fqn: str, t: Any) -> tuple[str, Layout]:
 
 
 def check_source(entries: Sequence[tuple[str, Layout]], source: Mapping[str, Any] | Source, cast: bool,
-                 ) -> tuple[list[tuple[str, str]], list[str], list[str], dict[str, TensorMeta]]:
-    """A reading rank's local verdict on its source: ``(problems, missing, unexpected, metas)``.
+                 ) -> SourceCheck:
+    """A reading rank's local verdict on its source (:class:`SourceCheck`).
 
     ``problems`` are ``(exception type name, message)`` pairs naming the key, both shapes or both
     dtypes; :func:`merge_checks` turns every rank's verdict into the agreed one. :func:`agree`
@@ -135,13 +168,13 @@ def check_source(entries: Sequence[tuple[str, Layout]], source: Mapping[str, Any
     Example:
         >>> import torch
         >>> from fsdptk._engine.layouts import layout_of
-        >>> check_source([("w", layout_of(torch.empty(2, 3)))], {"w": torch.ones(3, 2)}, True)[0]
+        >>> check_source([("w", layout_of(torch.empty(2, 3)))], {"w": torch.ones(3, 2)}, True).problems
         [('ValueError', "'w': shape mismatch: the source has [3, 2], the model has [2, 3]")]
     """
     source = as_source(source)
     problems: list[tuple[str, str]] = []
     names = {fqn for fqn, _ in entries}
-    unexpected = [k for k in source.keys() if k not in names]
+    unexpected = [k for k in source.keys() if k not in names]  # noqa: SIM118 - a Source has keys(), no __iter__
     missing: list[str] = []
     metas: dict[str, TensorMeta] = {}
     for fqn, layout in entries:
@@ -163,10 +196,10 @@ def check_source(entries: Sequence[tuple[str, Layout]], source: Mapping[str, Any
         if (cast or layout.quantized) and src_float and not tgt_float:
             problems.append(("ValueError", f"{fqn!r}: dtype mismatch: cannot load the source's "
                              f"{meta.dtype} into the model's {target.dtype}"))
-    return problems, missing, unexpected, metas
+    return SourceCheck(problems=problems, missing=missing, unexpected=unexpected, metas=metas)
 
 
-def merge_checks(checks: Sequence[tuple[Any, ...] | None], src_rank0: bool,
+def merge_checks(checks: Sequence[SourceCheck | None], src_rank0: bool,
                  ) -> tuple[list[str], list[str], dict[str, TensorMeta]]:
     """The agreed verdict from every rank's :func:`check_source` (``None`` for a rank that did not
     read): ``(missing, unexpected, metas)``, or the same error on every rank.
@@ -186,20 +219,25 @@ def merge_checks(checks: Sequence[tuple[Any, ...] | None], src_rank0: bool,
         []
     """
     world = len(checks)
-    if src_rank0:
-        problems, missing, unexpected, metas = checks[0]  # type: ignore[misc]
-    else:
+    first = checks[0]
+    if first is None:
+        raise ValueError("merge_checks: rank 0 has no verdict on its source (rank 0 always reads)")
+    problems = list(first.problems)
+    if not src_rank0:  # every rank read its own source: all problems count, the sources must match
         problems = []
         for r, check in enumerate(checks):
+            if check is None:
+                raise ValueError(f"merge_checks: rank {r} has no verdict on its source")
             tag = "" if world == 1 else f"rank {r}: "
-            problems += [(k, tag + m) for k, m in check[0]]  # type: ignore[index]
+            problems += [(k, tag + m) for k, m in check.problems]
         problems = list(dict.fromkeys(problems))
-        _, missing, unexpected, metas = checks[0]  # type: ignore[misc]
         if not problems:
-            diff = [r for r, check in enumerate(checks) if check[1:] != checks[0][1:]]  # type: ignore[index]
+            diff = [r for r, check in enumerate(checks) if check is not None and
+                    (check.missing, check.unexpected, check.metas) != (first.missing, first.unexpected, first.metas)]
             if diff:
                 problems.append(("ValueError", f"the sources differ (keys, shapes or dtypes) between "
                                  f"rank 0 and ranks {diff}; pass src_rank0=True to read rank 0's only"))
+    missing, unexpected, metas = first.missing, first.unexpected, first.metas
     _raise(problems, "cannot load the state")
     return missing, unexpected, metas
 
@@ -261,29 +299,35 @@ def agree(
             raise failed
         source = as_source(source)
         entries = [_entry(fqn, t) for fqn, t in targets]
-        seen: set[str] = set()
-        dupes = [f for f, _ in entries if f in seen or seen.add(f)]  # type: ignore[func-returns-value]
+        counts = Counter(f for f, _ in entries)
+        dupes = [f for f, n in counts.items() if n > 1]
         if dupes:
             raise ValueError(f"duplicate target fqns: {dupes}")
         fp = _fingerprint((f, lay.shape, str(lay.target.dtype), type(lay).__name__) for f, lay in entries)
         reads = rank == 0 or not src_rank0
         check = check_source(entries, source, cast) if reads else None
-        layout = [(lay.local, lay.parts) for _, lay in entries] if src_rank0 and world > 1 else None
+        layout = ([RankLayout(lay.local, lay.parts) for _, lay in entries] if src_rank0 and world > 1
+                  else None)
     except Exception as e:  # noqa: BLE001 - raised on every rank just below
         error = e
-    payloads = all_gather_object((fp, check, layout, error_payload(error), extra))
-    raise_lowest([p[3] for p in payloads], error)
-    diff = [r for r, p in enumerate(payloads) if p[0] != payloads[0][0]]
+    views = all_gather_object(_LoadView(fingerprint=fp, check=check, layouts=layout,
+                                        error=error_payload(error), extra=extra))
+    raise_lowest([v.error for v in views], error)
+    diff = [r for r, v in enumerate(views) if v.fingerprint != views[0].fingerprint]
     if diff:
         raise ValueError(f"the targets (fqns, shapes, dtypes) differ between rank 0 and ranks {diff}")
-    missing, unexpected, metas = merge_checks([p[1] for p in payloads], src_rank0)
+    missing, unexpected, metas = merge_checks([v.check for v in views], src_rank0)
     keep = [(f, lay) for f, lay in entries if f in metas]
     layouts = None
     if src_rank0 and world > 1:
         index = {f: i for i, (f, _) in enumerate(entries)}
-        layouts = [[p[2][index[f]] for f, _ in keep] for p in payloads]
-    return LoadPlan([f for f, _ in keep], missing, unexpected, metas, src_rank0, cast, keep, layouts,
-                    [p[4] for p in payloads])
+        layouts = []
+        for v in views:
+            assert v.layouts is not None, "every rank sends its layout for a rank-0 scatter"
+            layouts.append([v.layouts[index[f]] for f, _ in keep])
+    return LoadPlan(keys=[f for f, _ in keep], missing=missing, unexpected=unexpected, metas=metas,
+                    src_rank0=src_rank0, cast=cast, entries=keep, layouts=layouts,
+                    extras=[v.extra for v in views])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ The status of every bucket is agreed before its bytes move (:mod:`fsdptk._engine
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,17 +32,35 @@ from fsdptk._engine.wire import (
 )
 
 
-def _collect_view(t: object, rank: int) -> tuple[Layout | None, Box | None, str | None]:
-    """(layout, this rank's box if it sends, problem) for one item."""
+class _ItemView(NamedTuple):
+    """This rank's view of one item (local: the box travels, the rest stays)."""
+
+    layout: Layout | None  # None: not a tensor
+    box: Box | None  # the box of the full tensor this rank sends (None: it sends none)
+    problem: str | None  # why the item cannot be gathered, or None
+
+
+class _GatherView(NamedTuple):
+    """What each rank sends in :func:`collect`'s one object exchange."""
+
+    fingerprint: str | None  # of its items (fqns, shapes, dtypes, layout kinds)
+    boxes: list[Box | None]  # per item, the box it sends (None: it sends none)
+    problems: list[tuple[str, str]]  # (exception type name, message naming the key)
+    error: Any  # error_payload of its local failure, or None
+
+
+def _collect_view(t: object, rank: int) -> _ItemView:
+    """This rank's :class:`_ItemView` of one item."""
     if not isinstance(t, torch.Tensor):
-        return None, None, f"expected a tensor, got {type(t).__name__}"
+        return _ItemView(None, None, f"expected a tensor, got {type(t).__name__}")
     layout = layout_of(t)
     local = local_tensor(t)
     if local.is_meta:
-        return layout, None, f"is on the meta device (shape {list(t.shape)}); load or initialise it first"
+        return _ItemView(layout, None, f"is on the meta device (shape {list(t.shape)}); load or initialise it first")
     if local.layout != torch.strided:
-        return layout, None, f"has layout {local.layout}: only dense (torch.strided) tensors can be gathered"
-    return layout, layout.send_box(rank), None
+        return _ItemView(layout, None,
+                         f"has layout {local.layout}: only dense (torch.strided) tensors can be gathered")
+    return _ItemView(layout, layout.send_box(rank), None)
 
 
 def _plain_local(layout: Layout) -> torch.Tensor:
@@ -98,29 +117,34 @@ def collect(
         [[('w', torch.Size([2, 3]))]]
     """
     world, rank = _world()
-    views: list[tuple[Layout | None, Box | None, str | None]] = []
+    views: list[_ItemView] = []
     problems: list[tuple[str, str]] = []
     fp, error = None, failed
+    listed: list[tuple[str, torch.Tensor]] = []
     try:  # local work: a failure here is agreed below, with the metadata
         if failed is not None:
             raise failed
-        items = list(items)
+        listed = list(items)
+        items = listed
         views = [_collect_view(t, rank) for _, t in items]
-        problems = [("ValueError", f"{fqn!r} {p}") for (fqn, _), (_, _, p) in zip(items, views) if p]
-        fp = _fingerprint((fqn, tuple(t.shape), str(t.dtype), type(v[0]).__name__)
+        problems = [("ValueError", f"{fqn!r} {v.problem}") for (fqn, _), v in zip(items, views) if v.problem]
+        fp = _fingerprint((fqn, tuple(t.shape), str(t.dtype), type(v.layout).__name__)
                           for (fqn, t), v in zip(items, views))
     except Exception as e:  # noqa: BLE001 - raised on every rank just below
         error = e
-    payloads = all_gather_object((fp, [v[1] for v in views], problems, error_payload(error)))
-    raise_lowest([p[3] for p in payloads], error)
-    diff = [r for r, p in enumerate(payloads) if p[0] != payloads[0][0]]
-    all_problems = [(k, (f"rank {r}: " if world > 1 else "") + m) for r, p in enumerate(payloads) for k, m in p[2]]
+    payloads = all_gather_object(_GatherView(fingerprint=fp, boxes=[v.box for v in views], problems=problems,
+                                             error=error_payload(error)))
+    raise_lowest([p.error for p in payloads], error)
+    diff = [r for r, p in enumerate(payloads) if p.fingerprint != payloads[0].fingerprint]
+    all_problems = [(k, (f"rank {r}: " if world > 1 else "") + m) for r, p in enumerate(payloads)
+                    for k, m in p.problems]
     if diff:
         all_problems.append(("ValueError", f"the items (fqns, shapes, dtypes) differ between rank 0 and ranks {diff}"))
     _raise(all_problems, "cannot gather the state")
     status = Status("gather")
-    layouts = [v[0] for v in views]
-    yield from guarded(_collect_buckets(items, layouts, [p[1] for p in payloads], bucket_bytes, retained,  # type: ignore[arg-type]
+    layouts = [v.layout for v in views if v.layout is not None]
+    assert len(layouts) == len(listed), "every item is a tensor (agreed just above)"
+    yield from guarded(_collect_buckets(listed, layouts, [p.boxes for p in payloads], bucket_bytes, retained,
                                         status), status)
 
 
@@ -142,8 +166,8 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
     direct = [[b is not None and into_full and is_dim0_run(b, t.shape)
                and is_direct(box_shape(b), t.dtype) for b, (_, t) in zip(boxes[r], items)] for r in range(world)]
     if retained:  # only the packed (or dequantised) pieces add memory: the fulls are kept anyway
-        sizes = [sum(nbytes(box_shape(boxes[r][i]), t.dtype) for r in range(1, world)  # type: ignore[arg-type]
-                     if boxes[r][i] is not None and (layouts[i].quantized or not direct[r][i]))
+        sizes = [sum(nbytes(box_shape(b), t.dtype) for r in range(1, world)
+                     if (b := boxes[r][i]) is not None and (layouts[i].quantized or not direct[r][i]))
                  for i, (_, t) in enumerate(items)]
     else:
         sizes = [nbytes(t.shape, t.dtype) for _, t in items]
@@ -199,7 +223,8 @@ def _collect_pack(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], 
     one flat buffer, then each large dim-0 piece as it is (no copy when contiguous on ``comm``)."""
     rank = _world()[1]
     mine = [i for i in bucket if boxes[i] is not None]
-    total = packed_size([(box_shape(boxes[i]), items[i][1].dtype) for i in mine if not direct[i]])  # type: ignore[arg-type]
+    total = packed_size([(box_shape(b), items[i][1].dtype) for i in mine
+                         if (b := boxes[i]) is not None and not direct[i]])
     buf = torch.empty(total, dtype=torch.uint8, device=comm) if total else None
     off, alone = 0, []
     for i in mine:
@@ -224,11 +249,11 @@ def _collect_recv_buffers(items: list[tuple[str, torch.Tensor]], bucket: list[in
     (that buffer, then a view of the full tensor for each large dim-0 piece)."""
     bufs, msgs = {}, {}
     for r in range(1, world):
-        total = packed_size([(box_shape(boxes[r][i]), items[i][1].dtype)  # type: ignore[arg-type]
-                             for i in bucket if boxes[r][i] is not None and not direct[r][i]])
+        total = packed_size([(box_shape(b), items[i][1].dtype)
+                             for i in bucket if (b := boxes[r][i]) is not None and not direct[r][i]])
         if total:
             bufs[r] = torch.empty(total, dtype=torch.uint8, device=comm)
-        views = [fulls[i][boxes[r][i][0]] for i in bucket if direct[r][i]]  # type: ignore[index]
+        views = [fulls[i][b[0]] for i in bucket if direct[r][i] and (b := boxes[r][i]) is not None]
         if total or views:
             msgs[r] = ([bufs[r]] if total else []) + views
     return bufs, msgs
@@ -242,9 +267,10 @@ def _collect_own(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], b
     name = None
     try:
         for i in bucket:
-            if boxes[i] is not None:
+            box = boxes[i]
+            if box is not None:
                 name = items[i][0]
-                place(fulls[i], boxes[i], _plain_local(layouts[i]).cpu())
+                place(fulls[i], box, _plain_local(layouts[i]).cpu())
     except Exception as exc:  # noqa: BLE001 - agreed at the next boundary
         status.fail(exc, f"reading its shard of {name!r}")
 
@@ -261,11 +287,11 @@ def _collect_hand_over(items: list[tuple[str, torch.Tensor]], boxes: list[list[B
         for r, buf in bufs.items():
             off = 0
             for i in bucket:
-                if boxes[r][i] is not None and not direct[r][i]:
+                box = boxes[r][i]
+                if box is not None and not direct[r][i]:
                     name = items[i][0]
-                    piece, off = unpack(buf, off, box_shape(boxes[r][i]), items[i][1].dtype,  # type: ignore[arg-type]
-                                        torch.device("cpu"))
-                    place(fulls[i], boxes[r][i], piece)  # type: ignore[arg-type]
+                    piece, off = unpack(buf, off, box_shape(box), items[i][1].dtype, torch.device("cpu"))
+                    place(fulls[i], box, piece)
     except Exception as exc:  # noqa: BLE001 - agreed at the next boundary
         status.fail(exc, f"assembling {name!r}")
         return

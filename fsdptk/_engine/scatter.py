@@ -109,7 +109,7 @@ def distribute(
 def _distribute_local(plan: LoadPlan, source: Source, device: torch.device, release: bool,
                       bucket_bytes: int, status: Status) -> Iterator[tuple[str, torch.Tensor]]:
     """Each rank reads its own pieces; no tensor moves, only the status is agreed per bucket."""
-    entries = plan._entries
+    entries = plan.entries
     sizes = [nbytes(lay.shape, plan.out_dtype(f, lay)) for f, lay in entries]
     for bucket in buckets(sizes, bucket_bytes * LOCAL_AGREE_BUCKETS):
         out = []
@@ -134,9 +134,9 @@ def _distribute_local(plan: LoadPlan, source: Source, device: torch.device, rele
 def _rank0_pieces(plan: LoadPlan, i: int, source: Source, world: int,
                   comm: torch.device) -> list[list[torch.Tensor]]:
     """Rank 0: read one full tensor and cut every rank's pieces out of it."""
-    fqn, lay = plan._entries[i]
-    layouts = plan._layouts or []
-    return lay.cut(source.read(fqn), [layouts[r][i][0] for r in range(world)], plan.out_dtype(fqn, lay), comm)
+    fqn, lay = plan.entries[i]
+    layouts = plan.layouts or []
+    return lay.cut(source.read(fqn), [layouts[r][i].local for r in range(world)], plan.out_dtype(fqn, lay), comm)
 
 
 def _extra_bytes(plan: LoadPlan, i: int, direct: list[list[list[bool]]], world: int, comm: torch.device,
@@ -152,14 +152,14 @@ def _extra_bytes(plan: LoadPlan, i: int, direct: list[list[list[bool]]], world: 
     outputs live on another device than the transport's (gloo with a CUDA ``device``), every
     received piece is a staging copy, so everything counts.
     """
-    fqn, lay = plan._entries[i]
+    fqn, lay = plan.entries[i]
     dtype = plan.out_dtype(fqn, lay)
     meta = plan.metas[fqn]
     if lay.quantized or meta.held_on != comm.type or meta.dtype != dtype or device.type != comm.type:
         return nbytes(lay.shape, dtype)
-    layouts = plan._layouts or []
-    return sum(nbytes(box_shape(layouts[r][i][0]), dtype) for r in range(1, world)
-               if not (direct[r][i][0] and is_dim0_run(layouts[r][i][0], lay.shape)))
+    layouts = plan.layouts or []
+    return sum(nbytes(box_shape(layouts[r][i].local), dtype) for r in range(1, world)
+               if not (direct[r][i][0] and is_dim0_run(layouts[r][i].local, lay.shape)))
 
 
 def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, release: bool,
@@ -180,9 +180,9 @@ def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, re
     bucket is yielded anywhere. Once a bucket is agreed every rank posts its transfers of it, and
     every posted transfer is waited for, on the error paths too."""
     comm = _comm_device()
-    entries = plan._entries
-    layouts = plan._layouts or []
-    parts = [[lay.wire_parts(*layouts[r][i], plan.out_dtype(f, lay)) for i, (f, lay) in enumerate(entries)]
+    entries = plan.entries
+    layouts = plan.layouts or []
+    parts = [[lay.wire_parts(layouts[r][i].local, layouts[r][i].parts, plan.out_dtype(f, lay)) for i, (f, lay) in enumerate(entries)]
              for r in range(world)]
     direct = [[[is_direct(s, d, lay.quantized) for s, d in parts[r][i]] for i, (_, lay) in enumerate(entries)]
               for r in range(world)]
@@ -255,7 +255,7 @@ def _scatter_hand_over(plan: LoadPlan, bucket: list[int], received: list[torch.T
     try:
         out = _scatter_unpack(plan, bucket, parts, direct, received, device)
     except Exception as exc:  # noqa: BLE001 - agreed at the next boundary
-        status.fail(exc, f"unpacking a bucket of {[plan._entries[i][0] for i in bucket]}")
+        status.fail(exc, f"unpacking a bucket of {[plan.entries[i][0] for i in bucket]}")
         return
     yield from hand_over(out, status)
 
@@ -284,7 +284,7 @@ def _scatter_pack(plan: LoadPlan, bucket: list[int], source: Source, parts: list
     alone: dict[int, list[torch.Tensor]] = {r: [] for r in range(1, world)}
     own = []
     for i in bucket:
-        fqn, lay = plan._entries[i]
+        fqn, lay = plan.entries[i]
         try:
             pieces = _rank0_pieces(plan, i, source, world, comm)
         except Exception as exc:
@@ -313,7 +313,7 @@ def _scatter_unpack(plan: LoadPlan, bucket: list[int], parts: list[Any], direct:
     alone = iter(received[1:] if has_buf else received)
     out, off = [], 0
     for i in bucket:
-        fqn, lay = plan._entries[i]
+        fqn, lay = plan.entries[i]
         tensors = []
         for (shape, dtype), d in zip(parts[i], direct[i]):
             if d:

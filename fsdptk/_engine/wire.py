@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024  # small enough that packing overlaps sending
 # without src_rank0 no tensor moves, so the status agreement is the only collective of the data
@@ -95,10 +96,10 @@ class InFlight:
     """
 
     def __init__(self) -> None:
-        self.works: list[object] = []
+        self.works: list[dist.Work] = []
         self.tensors: list[torch.Tensor] = []
 
-    def post_all(self, op: Callable[[torch.Tensor, int], object],
+    def post_all(self, op: Callable[[torch.Tensor, int], dist.Work | None],
                  messages: Iterable[tuple[int, torch.Tensor]]) -> Refused | None:
         """Post every ``(peer, tensor)`` message with ``op`` (``dist.isend`` or ``dist.irecv``), in
         order, and keep the tensors alive until :meth:`wait`.
@@ -127,7 +128,8 @@ class InFlight:
                     work = op(t, peer)  # the peer waits for this message: post it again
                 except Exception:  # noqa: BLE001 - the first error is the one reported
                     return refused
-            self.works.append(work)
+            if work is not None:  # None: this rank is not in the group (nothing was posted)
+                self.works.append(work)
             self.tensors.append(t)
         return refused
 
@@ -135,7 +137,7 @@ class InFlight:
         """Wait for every posted transfer; then the tensors may be freed or read."""
         works, self.works = self.works, []
         for w in works:
-            w.wait()  # type: ignore[attr-defined]
+            w.wait()
         self.tensors = []
 
     def drain_quietly(self) -> None:
