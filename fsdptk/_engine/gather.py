@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from fsdptk._compat import local_tensor
-from fsdptk._dist import _comm_device, all_gather_object, comm_errors, error_payload, raise_lowest
+from fsdptk._dist import _comm_device, all_gather_object, comm_errors, comm_group, error_payload, raise_lowest
 from fsdptk._dist import raise_problems as _raise
 from fsdptk._dist import world as _world
 from fsdptk._engine.agree import Status, _fingerprint, guarded, hand_over
@@ -169,12 +169,12 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
             if rank != 0:
                 with comm_errors(status.what):
                     flight.wait()  # bucket k-1 is out: its buffer is free
-                    flight.post([dist.isend(t, dst=0) for t in msgs.get(rank, [])], msgs.get(rank, []))
+                    flight.post([dist.isend(t, dst=0, group=comm_group()) for t in msgs.get(rank, [])], msgs.get(rank, []))
                 del msgs
                 yield from hand_over([[]], status)
                 continue
             with comm_errors(status.what):
-                flight.post([dist.irecv(t, src=r) for r, ts in msgs.items() for t in ts],
+                flight.post([dist.irecv(t, src=r, group=comm_group()) for r, ts in msgs.items() for t in ts],
                             [t for ts in msgs.values() for t in ts])
             _collect_own(items, layouts, bucket, boxes[0], fulls, status)  # while the bytes arrive
             held = (bucket, fulls, bufs)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdptk._dist import _comm_device, comm_errors
+from fsdptk._dist import _comm_device, comm_errors, comm_group
 from fsdptk._dist import world as _world
 from fsdptk._engine.agree import LoadPlan, Status, guarded, hand_over
 from fsdptk._engine.layouts import box_shape, is_dim0_run
@@ -206,12 +206,12 @@ def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, re
             with comm_errors(status.what):
                 if rank == 0:
                     flight.wait()  # bucket k-1 is out: its buffers are free
-                    flight.post([dist.isend(t, dst=r) for r, ts in msgs.items() for t in ts],
+                    flight.post([dist.isend(t, dst=r, group=comm_group()) for r, ts in msgs.items() for t in ts],
                                 [t for ts in msgs.values() for t in ts])
                 else:
                     mine = msgs.get(rank, [])
                     posted = InFlight()
-                    posted.post([dist.irecv(t, src=0) for t in mine], mine)
+                    posted.post([dist.irecv(t, src=0, group=comm_group()) for t in mine], mine)
                     flight.wait()  # bucket k-1 has arrived (bucket k's receives are already posted)
                     flight = posted
             if rank == 0:
