@@ -63,12 +63,12 @@ class PendingSave:
         ('model.safetensors', True)
     """
 
-    def __init__(self, path: Path, what: str) -> None:
+    def __init__(self, path: Path, what: str, started: float) -> None:
         self._path, self._what = path, what
         self._result: Path | None = None
         self._error: BaseException | None = None
         self._observed = False
-        self._started = time.monotonic()
+        self._started = started  # time.monotonic() at the call
         self._finished: float | None = None
         self._thread: threading.Thread | None = None
 
@@ -283,6 +283,7 @@ def save_safetensors_async(
     """
     from fsdptk.checkpoint import _plan_save, _write_save
 
+    started = time.monotonic()
     group = _begin()
     plan = _plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
                       rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress)
@@ -311,7 +312,7 @@ def save_safetensors_async(
                 staged.abort()
             raise
 
-    pending = PendingSave(plan.path, "save_safetensors")
+    pending = PendingSave(plan.path, "save_safetensors", started)
     pending._start(group, work)
     return pending
 
@@ -360,6 +361,7 @@ def save_dcp_async(
     """
     from fsdptk.dcp import _dcp_state, _write_dcp
 
+    started = time.monotonic()
     group = _begin()
     path, state = _dcp_state(model, path, optimizer, extra)
 
@@ -371,7 +373,7 @@ def save_dcp_async(
 
     snapshot = run_agreed(take)
     del state
-    pending = PendingSave(path, "save_dcp")
+    pending = PendingSave(path, "save_dcp", started)
     pending._start(group, lambda: _write_dcp(snapshot, path))
     return pending
 
