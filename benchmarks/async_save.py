@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-__all__ = ["main", "METHODS"]
+__all__ = ["METHODS", "main"]
 
 WIDTH = 4096
 METHODS = ["save_safetensors", "save_safetensors_async", "save_dcp_async", "dcp.async_save", "dcp.save"]

@@ -32,8 +32,14 @@ from torch import nn
 
 import fsdptk
 
-__all__ = ["latest_checkpoint", "save_checkpoint", "start_checkpoint", "PendingCheckpoint", "load_optimizer",
-           "read_train_state"]
+__all__ = [
+    "PendingCheckpoint",
+    "latest_checkpoint",
+    "load_optimizer",
+    "read_train_state",
+    "save_checkpoint",
+    "start_checkpoint",
+]
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:

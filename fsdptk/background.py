@@ -46,7 +46,7 @@ from fsdptk._dist import has_process_group, is_rank0, run_agreed, using_group
 from fsdptk._pending import REGISTRY, wait_for_pending
 from fsdptk.nf4 import from_inner_tensors, inner_tensors, is_nf4
 
-__all__ = ["PendingSave", "save_safetensors_async", "save_dcp_async"]
+__all__ = ["PendingSave", "save_dcp_async", "save_safetensors_async"]
 
 PathLike = str | os.PathLike[str]
 
@@ -371,8 +371,7 @@ def save_dcp_async(
         snap.finish()
         return out
 
-    snapshot = run_agreed(take)
-    del state
+    snapshot = run_agreed(take)  # the thread keeps only the snapshot, never the live state
     pending = PendingSave(path, "save_dcp", started)
     pending._start(group, lambda: _write_dcp(snapshot, path))
     return pending

@@ -353,7 +353,11 @@ def test_two_pending_saves_in_a_row(world, tmp_path: Path) -> None:
 def _two_d(root: str) -> tuple[bool, bool]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     from fsdptk import load_dcp, save_dcp_async, save_safetensors_async
 
