@@ -9,6 +9,7 @@ Examples::
     .venv-peers/bin/python -m benchmarks --device cuda --write-docs   # on a GPU machine: NCCL, GPU section
     .venv-peers/bin/python -m benchmarks wire --worlds 2 4 --repeats 5   # load/gather vs raw p2p and DCP
     python -m benchmarks hosts --hosts 2 --per-host 2 --rate 1gbit   # root: simulated hosts, bytes across them
+    .venv-peers/bin/python -m benchmarks async-save --size 1 --worlds 2 4  # background vs synchronous saves
 
 ``--device cuda`` runs the same scenarios with each rank on its own GPU (``cuda:<rank>``) over NCCL:
 shards are loaded onto / gathered from the GPUs, the in-memory full states the methods read are in
@@ -314,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         from .hosts import main as hosts_main
 
         return hosts_main(argv[1:])
+    if argv[:1] == ["async-save"]:  # how long a save blocks training, and the steps beside it
+        from .async_save import main as async_main
+
+        return async_main(argv[1:])
     args = parse_args(argv)
     if args.device == "cuda" and not args.from_json:
         problem = cuda_problem(args)

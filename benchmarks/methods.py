@@ -16,13 +16,37 @@ from __future__ import annotations
 
 from .common import Ctx, Method, check_model_loaded, materialise_random, nothing
 from .model_state import (
-    _check_gather, _check_save, _gather_dcp, _gather_fsdptk, _gather_torchtune,
-    _load_accelerate, _load_dcp, _load_fsdptk, _load_fsdptk_all, _load_torchtune, _save_fsdptk, _save_via,
-    _sd_all, _sd_rank0, _st_accelerate, _st_dcp, _st_fsdptk_rank0_read, _st_fsdptk_shard_on_read, _st_torchtune,
+    _check_gather,
+    _check_save,
+    _gather_dcp,
+    _gather_fsdptk,
+    _gather_torchtune,
+    _load_accelerate,
+    _load_dcp,
+    _load_fsdptk,
+    _load_fsdptk_all,
+    _load_torchtune,
+    _save_fsdptk,
+    _save_via,
+    _sd_all,
+    _sd_rank0,
+    _st_accelerate,
+    _st_dcp,
+    _st_fsdptk_rank0_read,
+    _st_fsdptk_shard_on_read,
+    _st_torchtune,
 )
 from .optim_state import (
-    _check_ogather, _check_oload, _ogather_dcp, _ogather_fsdptk, _ogather_torchtune, _oload_dcp,
-    _oload_fsdptk, _oload_setup, _oload_torchtune, _opt_state_setup,
+    _check_ogather,
+    _check_oload,
+    _ogather_dcp,
+    _ogather_fsdptk,
+    _ogather_torchtune,
+    _oload_dcp,
+    _oload_fsdptk,
+    _oload_setup,
+    _oload_torchtune,
+    _opt_state_setup,
 )
 
 __all__ = ["Ctx", "Method", "METHODS", "NOT_APPLICABLE", "SCENARIOS", "PEERS", "SCENARIO_TITLES", "method_needs"]

@@ -74,7 +74,7 @@ def _preimport(needs: str) -> None:
 
 
 def _measured(spec: dict, rank: int, world: int) -> dict:
-    from .methods import Ctx, METHODS
+    from .methods import METHODS, Ctx
 
     cfg = BenchConfig(**spec["cfg"])
     ckpt = Path(spec["ckpt_dir"])

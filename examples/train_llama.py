@@ -21,7 +21,10 @@ What it shows, in the order a real job does it (each step is one fsdptk call or 
 6. every ``--save-every`` steps and at the end: the model as ``model.safetensors`` (HF layout,
    loadable by any single process), the optimizer as one full file or a DCP directory, and the
    step; a restart resumes from the latest complete save and reproduces the uninterrupted loss
-   curve exactly (``tests/test_example.py`` checks that).
+   curve exactly (``tests/test_example.py`` checks that). Saves run in the background
+   (``save_safetensors_async`` / ``save_dcp_async``): training goes on once every rank has copied
+   its shards, and the log says how long each save blocked training and how long it took;
+   ``--sync-save`` saves synchronously instead.
 """
 
 from __future__ import annotations
@@ -45,7 +48,14 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # `import llama` however this file is run
 
 from bytedata import DEFAULT_CORPUS, ByteWindows, StepBatches, load_corpus  # noqa: E402
-from checkpointing import latest_checkpoint, load_optimizer, read_train_state, save_checkpoint  # noqa: E402
+from checkpointing import (  # noqa: E402
+    PendingCheckpoint,
+    latest_checkpoint,
+    load_optimizer,
+    read_train_state,
+    save_checkpoint,
+    start_checkpoint,
+)
 from llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from safetensors.torch import save_file  # noqa: E402
@@ -83,6 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--keep", type=int, default=2, help="checkpoints kept (older ones are deleted)")
     g.add_argument("--optimizer-format", choices=["full", "dcp"], default="full",
                    help="full: one optimizer.pt keyed by parameter name; dcp: model + optimizer shards as a DCP directory")
+    g.add_argument("--sync-save", action="store_true",
+                   help="save synchronously (default: in the background, while training goes on)")
     g.add_argument("--no-resume", dest="resume", action="store_false", help="ignore existing checkpoints")
     g.add_argument("--stop-after", type=int, default=None,
                    help="save and exit after this step, as if interrupted (to demonstrate resuming)")
@@ -378,6 +390,7 @@ def train(args: argparse.Namespace) -> RunResult:
 
     # 4. the loop
     log = _Logger(args, start)
+    pending: PendingCheckpoint | None = None  # the checkpoint being written in the background
     t0, tokens, window = time.perf_counter(), 0, []
     model.train()
     for step in range(start, stop):
@@ -406,8 +419,20 @@ def train(args: argparse.Namespace) -> RunResult:
                       f"{len(window)}) | lr {lr:.2e} | {tokens / dt:,.0f} tok/s | peak {kind} MiB per rank {peaks}")
             t0, tokens, window = time.perf_counter(), 0, []
         if done % args.save_every == 0 or done == stop:
-            result.checkpoint = str(save_checkpoint(ckpt_root, done, model, opt, {**history, **result.losses}, args))
-            log.print(f"saved checkpoint: {result.checkpoint}")
+            losses = {**history, **result.losses}
+            if args.sync_save:
+                t_save = time.perf_counter()
+                result.checkpoint = str(save_checkpoint(ckpt_root, done, model, opt, losses, args))
+                log.print(f"saved checkpoint: {result.checkpoint} (synchronous: blocked training "
+                          f"{time.perf_counter() - t_save:.2f}s)")
+            else:
+                if pending is not None:  # one background save at a time: finish the previous one
+                    result.checkpoint = _finish(pending, log)
+                pending = start_checkpoint(ckpt_root, done, model, opt, losses, args)
+                log.print(f"checkpoint of step {done}: blocked training {pending.blocked_s:.2f}s, "
+                          "writing in the background")
+    if pending is not None:
+        result.checkpoint = _finish(pending, log)
     log.close()
     result.final_step = max(start, stop)
 
@@ -427,6 +452,15 @@ def train(args: argparse.Namespace) -> RunResult:
             print(f"[train] stopped at step {result.final_step}/{args.steps}; run again to resume", flush=True)
         print(f"[train] checkpoint: {result.checkpoint}", flush=True)
     return result
+
+
+def _finish(pending: PendingCheckpoint, log: _Logger) -> str:
+    """Wait for a background checkpoint (every rank), rename it into place, log its times."""
+    t = time.perf_counter()
+    path = pending.finish()
+    log.print(f"saved checkpoint: {path} (step {pending.step}: blocked training {pending.blocked_s:.2f}s, "
+              f"the save took {pending.seconds:.2f}s, {time.perf_counter() - t:.2f}s spent waiting for it)")
+    return str(path)
 
 
 def main(argv: list[str] | None = None) -> RunResult:

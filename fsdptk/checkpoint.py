@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -32,6 +33,7 @@ from fsdptk._engine.sources import SliceSource
 from fsdptk._files.common import Rename, infer_device, progress_bar, rename_keys, trim_heap
 from fsdptk._files.hf_config import stage_hf_config
 from fsdptk._files.lock import CheckpointLockedError
+from fsdptk._files.pending import wait_for_pending
 from fsdptk._files.safetensors_io import (
     INDEX_SUFFIX,
     CheckpointError,
@@ -215,6 +217,7 @@ def load_safetensors(
     from fsdptk.state_dict import load_from_full_model_state_dict
 
     path = Path(path)
+    wait_for_pending(path)
     if shard_on_read is not None and not isinstance(shard_on_read, bool):
         raise TypeError(f"shard_on_read must be a bool or None, got {shard_on_read!r}")
     ckpt, shard_on_read = _open_agreed(path, shard_on_read)
@@ -351,19 +354,60 @@ def save_safetensors(
         >>> sorted(load_file(f"{d}/model.safetensors"))
         ['bias', 'weight']
     """
-    from fsdptk._engine import collect
+    wait_for_pending()
+    plan = _plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
+                      rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress)
 
+    def stage_config() -> Any:
+        return stage_hf_config(model, plan.path, dtype=dtype) if write_config else None
+
+    return _write_save(plan, stage_config)
+
+
+@dataclass(frozen=True)
+class _SavePlan:
+    """What a safetensors save takes from the model before any tensor moves (the front half of
+    :func:`save_safetensors`); :func:`_write_save` streams ``items`` into the files (the back
+    half). A background save (:mod:`fsdptk.background`) swaps ``items`` for a snapshot."""
+
+    path: Path
+    items: list[tuple[str, torch.Tensor]]
+    out_name: dict[str, str]
+    dtypes: dict[str, torch.dtype]
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]]
+    files: list[Any]
+    limit: int
+    metadata: Mapping[str, str] | None
+    bucket_bytes: int
+    progress: bool | None
+
+
+def _plan_save(model: nn.Module, path: PathLike, *, max_shard_size: int | str, tied: str,
+               dtype: torch.dtype | None, rename: Rename, metadata: Mapping[str, str] | None,
+               bucket_bytes: int | None, progress: bool | None) -> _SavePlan:
+    """The front half of :func:`save_safetensors`: arguments checked, items and file layout planned."""
     path = Path(path)
     limit = parse_size(max_shard_size)
     nbytes = bucket_size(bucket_bytes)
     items, out_name, dtypes = _save_items(model, tied, rename, dtype)
     entries = [(out_name[k], dtypes[k], tuple(t.shape)) for k, t in items]
     files = plan_shards(entries, limit)  # validates dtypes on every rank
+    return _SavePlan(path=path, items=items, out_name=out_name, dtypes=dtypes, entries=entries, files=files,
+                     limit=limit, metadata=metadata, bucket_bytes=nbytes, progress=progress)
+
+
+def _write_save(plan: _SavePlan, stage_config: Callable[[], Any]) -> Path:
+    """The back half of :func:`save_safetensors`: gather ``plan.items`` bucket by bucket and stream
+    them into the files (rank 0), commit; ``stage_config()`` (rank 0, lock held) stages the config
+    files, or returns ``None``. Collective."""
+    from fsdptk._engine import collect
+
+    path, entries, limit = plan.path, plan.entries, plan.limit
 
     def open_writer() -> tuple[ShardedWriter, Any]:
-        w = ShardedWriter(path, entries, max_shard_size=limit, metadata=metadata)
+        w = ShardedWriter(path, entries, max_shard_size=limit, metadata=plan.metadata)
         try:
-            staged = stage_hf_config(model, path, dtype=dtype) if write_config else None
+            staged = stage_config()
         except BaseException:
             w.abort()
             raise
@@ -374,10 +418,10 @@ def save_safetensors(
     writer, config = run_agreed(open_writer, on=is_rank0()) or (None, None)
     try:
         buckets = cast(Generator[list[tuple[str, torch.Tensor]], None, None],  # collect/distribute are generators (annotated Iterator in the engine)
-                       collect(items, bucket_bytes=nbytes))
-        error, result = _stream(buckets, writer, out_name, dtypes,
+                       collect(plan.items, bucket_bytes=plan.bucket_bytes))
+        error, result = _stream(buckets, writer, plan.out_name, plan.dtypes,
                                 progress_bar(writer.total_size if writer else 0, f"save {path.name}",
-                                             progress))
+                                             plan.progress))
     except BaseException:  # the engine failed on every rank: leave nothing behind
         if writer is not None:
             writer.abort()
@@ -392,4 +436,4 @@ def save_safetensors(
     raise_if_any(error)
     if result is not None:
         return result
-    return path / (files[0].name if len(files) == 1 else "model" + INDEX_SUFFIX)
+    return path / (plan.files[0].name if len(plan.files) == 1 else "model" + INDEX_SUFFIX)

@@ -32,12 +32,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdptk._core.dist import all_gather_object, has_process_group, is_rank0, run_agreed
+from fsdptk._core.dist import all_gather_object, comm_group, has_process_group, is_rank0, run_agreed
 from fsdptk._core.dist import world as _world
 from fsdptk._files.commit import dcp_backup, dcp_names, recover_dcp, swap_in_dcp
 from fsdptk._files.common import progress_bar, trim_heap
 from fsdptk._files.lock import DirectoryLock
 from fsdptk._files.paths import check_disjoint
+from fsdptk._files.pending import wait_for_pending
 from fsdptk._files.safe_pickle import safe_load_planner, safe_reader
 from fsdptk._files.safetensors_io import CheckpointError, SafetensorsCheckpoint, parse_size
 from fsdptk._files.safetensors_writer import ShardedWriter
@@ -218,7 +219,15 @@ def save_dcp(
         >>> load_dcp(torch.nn.Linear(3, 2), d)
         {'step': 10}
     """
-    import torch.distributed.checkpoint as dcp
+    wait_for_pending()
+    path, state = _dcp_state(model, path, optimizer, extra)
+    return _write_dcp(state, path)
+
+
+def _dcp_state(model: nn.Module, path: PathLike, optimizer: torch.optim.Optimizer | None,
+               extra: dict[str, Any] | None) -> tuple[Path, dict[str, Any]]:
+    """The front half of :func:`save_dcp`: arguments checked, DCP's state of the model and
+    optimizer taken, ``extra`` serialised; each step agreed on every rank."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     run_agreed(lambda: _check_order("save_dcp", model, path, ", optimizer, extra=..."))
@@ -228,9 +237,18 @@ def save_dcp(
                                                            get_model_state_dict))
     if extra is not None:
         state["extra"] = run_agreed(lambda: _extra_blob(extra))
+    return path, state
+
+
+def _write_dcp(state: dict[str, Any], path: Path) -> Path:
+    """The back half of :func:`save_dcp`: stage, write ``state`` with DCP (on ``comm_group()``),
+    swap in. Collective."""
+    import torch.distributed.checkpoint as dcp
+
     staging, stage = _begin_staging(path)
     try:
-        _quiet_dcp(dcp.save, state, storage_writer=dcp.FileSystemWriter(str(stage)), **_dist_kwargs())
+        _quiet_dcp(dcp.save, state, storage_writer=dcp.FileSystemWriter(str(stage)),
+                   process_group=comm_group(), **_dist_kwargs())
     except BaseException:
         if staging is not None:
             staging.abort()
@@ -325,6 +343,7 @@ def load_dcp(
     )
 
     run_agreed(lambda: _check_order("load_dcp", model, path, ", optimizer"))
+    wait_for_pending(path)
     path, keys = run_agreed(lambda: _readable_keys(Path(path)))
     has_optim = any(k.startswith("optim.") for k in keys)
     if optimizer is not None and not has_optim:

@@ -119,6 +119,17 @@ def test_parallelism_and_memory_options(world, tmp_path, flags):
     assert plain.model.layers[0].self_attn.q_proj.weight.shape == (32, 32)
 
 
+def test_sync_save_flag_writes_the_same_checkpoint(world, tmp_path):
+    """Background saves are the default; --sync-save writes the same files synchronously."""
+    argv = TINY + ["--steps", "2", "--save-every", "2"]
+    bg = world(2).run(_run, argv + ["--out-dir", str(tmp_path / "bg")])
+    sync = world(2).run(_run, argv + ["--out-dir", str(tmp_path / "sync"), "--sync-save"])
+    a, b = (train_llama.load_plain_model(r[0]["checkpoint"]) for r in (bg, sync))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert sorted(p.name for p in Path(bg[0]["checkpoint"]).iterdir()) == \
+        sorted(p.name for p in Path(sync[0]["checkpoint"]).iterdir())
+
+
 # -- single-process pieces ---------------------------------------------------------------------
 def test_model_forward_shapes_and_causality():
     model = llama.LlamaForCausalLM(llama.LlamaConfig(hidden_size=32, num_hidden_layers=2))

@@ -1,7 +1,9 @@
 """Rank agreement: the one place fsdptk asks which rank it is, logs on rank 0, exchanges objects
 and agrees on errors across ranks (internal; the public facts live in :mod:`fsdptk.runtime`).
 
-Every helper runs on the default process group and degrades to a single process without one.
+Every helper runs on the process group of :func:`comm_group` (the default group unless a caller
+chose another one for this thread with :func:`using_group`) and degrades to a single process
+without one.
 """
 
 from __future__ import annotations
@@ -11,10 +13,34 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# The group fsdptk's collectives use in this thread (a context variable: per thread, no global
+# state shared between threads); None is the default group.
+_GROUP: ContextVar[Any] = ContextVar("fsdptk_comm_group", default=None)
+
+
+def comm_group() -> Any:
+    """The process group fsdptk's collectives run on in this thread; ``None``: the default group."""
+    return _GROUP.get()
+
+
+@contextmanager
+def using_group(group: Any) -> Iterator[None]:
+    """Run fsdptk's collectives in this thread on ``group`` (it must span every rank, in order, so
+    that its ranks are the global ranks); the previous choice is restored on exit."""
+    if group is not None and dist.get_world_size(group) != dist.get_world_size():
+        raise ValueError(f"fsdptk's process group must span every rank: it has "
+                         f"{dist.get_world_size(group)} of {dist.get_world_size()}")
+    token = _GROUP.set(group)
+    try:
+        yield
+    finally:
+        _GROUP.reset(token)
 
 
 def has_process_group() -> bool:
@@ -23,9 +49,9 @@ def has_process_group() -> bool:
 
 
 def world() -> tuple[int, int]:
-    """``(world_size, rank)`` of the default process group, ``(1, 0)`` without one."""
+    """``(world_size, rank)`` of :func:`comm_group`, ``(1, 0)`` without a process group."""
     if has_process_group():
-        return dist.get_world_size(), dist.get_rank()
+        return dist.get_world_size(comm_group()), dist.get_rank(comm_group())
     return 1, 0
 
 
@@ -44,7 +70,7 @@ def log_rank0(logger: logging.Logger, msg: str, *args: Any, level: int = logging
 
 def _comm_device() -> torch.device:
     """The device small agreement tensors live on: CPU when the default group has gloo."""
-    backend = str(dist.get_backend()).lower()
+    backend = str(dist.get_backend(comm_group())).lower()
     if "gloo" in backend:
         return torch.device("cpu")
     acc = torch.accelerator.current_accelerator()
@@ -75,7 +101,7 @@ def check_comm_device(fn: str, device: torch.device | str | None) -> None:
     wanted, used = torch.device(device), _comm_device()
     if wanted.type != used.type:
         warnings.warn(f"{fn}(device={str(wanted)!r}) is not used: the process group's backend "
-                      f"({dist.get_backend()}) communicates on {used.type}; the results are CPU tensors "
+                      f"({dist.get_backend(comm_group())}) communicates on {used.type}; the results are CPU tensors "
                       "either way (pass device=None)", UserWarning, stacklevel=3)
 
 
@@ -125,7 +151,7 @@ def all_gather_object(obj: Any) -> list[Any]:
         return [obj]
     out: list[Any] = [None] * size
     with comm_errors("agreement"):
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=comm_group())
     return out
 
 
@@ -203,7 +229,7 @@ def raise_if_any(error: BaseException | None) -> None:
         return
     flag = torch.tensor([0 if error is None else size - rank], dtype=torch.int64, device=_comm_device())
     with comm_errors("agreement"):
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=comm_group())
     if int(flag.item()):
         raise_lowest(all_gather_object(error_payload(error)), error)
 

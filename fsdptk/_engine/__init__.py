@@ -15,7 +15,8 @@ DTensor). Targets may live on ``meta``: outputs are then allocated on the reques
   point-to-point sends of exactly the bytes each shard owner holds (one replica per HSDP group),
   large dim-0 pieces received straight into the full tensors.
 
-Everything runs on the default process group. See ``docs/state_dict.md``. The parts:
+Everything runs on the process group of ``fsdptk._core.dist.comm_group()`` (the default group unless
+the calling thread chose another). See ``docs/state_dict.md``. The parts:
 
 - :mod:`~fsdptk._engine.sources`: the source protocol (metadata, read a box, release);
 - :mod:`~fsdptk._engine.layouts`: one class per kind of target (plain, DTensor, NF4, DTensor NF4);

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fsdptk._core.dist import _comm_device, all_gather_object, comm_errors, error_payload, raise_lowest
+from fsdptk._core.dist import _comm_device, all_gather_object, comm_errors, comm_group, error_payload, raise_lowest
 from fsdptk._core.dist import raise_problems as _raise
 from fsdptk._core.dist import world as _world
 from fsdptk._engine.layouts import Layout, PlainLayout, layout_of
@@ -396,7 +396,7 @@ class Status:
         t = torch.tensor([world - rank if self.error is not None else 0, h, -h], dtype=torch.int64,
                          device=_comm_device())
         with comm_errors(self.what):
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm_group())
         failed, high, low = (int(v) for v in t.tolist())
         if failed:
             raise_lowest(all_gather_object(error_payload(self.error)), self.error)

@@ -12,7 +12,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from fsdptk._core.compat import local_tensor
 from fsdptk._core.dist import _comm_device, all_gather_object, comm_errors, error_payload, raise_lowest
@@ -24,7 +23,9 @@ from fsdptk._engine.wire import (
     DEFAULT_BUCKET_BYTES,
     InFlight,
     buckets,
+    irecv,
     is_direct,
+    isend,
     nbytes,
     pack,
     packed_size,
@@ -196,13 +197,13 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
             if rank != 0:
                 with comm_errors(status.what):
                     flight.wait()  # bucket k-1 is out: its buffer is free
-                    refused = flight.post_all(dist.isend, [(0, t) for t in msgs.get(rank, [])])
+                    refused = flight.post_all(isend, [(0, t) for t in msgs.get(rank, [])])
                 status.fail_post(refused)
                 del msgs
                 yield from hand_over([[]], status)
                 continue
             with comm_errors(status.what):
-                refused = flight.post_all(dist.irecv, [(r, t) for r, ts in msgs.items() for t in ts])
+                refused = flight.post_all(irecv, [(r, t) for r, ts in msgs.items() for t in ts])
             status.fail_post(refused)
             _collect_own(items, layouts, bucket, boxes[0], fulls, status)  # while the bytes arrive
             held = (bucket, fulls, bufs)

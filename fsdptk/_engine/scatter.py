@@ -13,7 +13,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fsdptk._core.dist import _comm_device, comm_errors
 from fsdptk._core.dist import world as _world
@@ -25,7 +24,9 @@ from fsdptk._engine.wire import (
     LOCAL_AGREE_BUCKETS,
     InFlight,
     buckets,
+    irecv,
     is_direct,
+    isend,
     nbytes,
     pack,
     packed_size,
@@ -206,10 +207,10 @@ def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, re
             with comm_errors(status.what):
                 if rank == 0:
                     flight.wait()  # bucket k-1 is out: its buffers are free
-                    refused = flight.post_all(dist.isend, [(r, t) for r, ts in msgs.items() for t in ts])
+                    refused = flight.post_all(isend, [(r, t) for r, ts in msgs.items() for t in ts])
                 else:
                     posted = InFlight()
-                    refused = posted.post_all(dist.irecv, [(0, t) for t in msgs.get(rank, [])])
+                    refused = posted.post_all(irecv, [(0, t) for t in msgs.get(rank, [])])
                     flight.wait()  # bucket k-1 has arrived (bucket k's receives are already posted)
                     flight = posted
             status.fail_post(refused)

@@ -19,6 +19,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from fsdptk._core.dist import comm_group
+
 DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024  # small enough that packing overlaps sending
 # without src_rank0 no tensor moves, so the status agreement is the only collective of the data
 # phase: it runs once per this many buckets (16 MiB buckets: every 256 MiB of full tensors)
@@ -84,6 +86,16 @@ class Refused(NamedTuple):
 
     error: BaseException
     peer: int
+
+
+def isend(tensor: torch.Tensor, peer: int) -> dist.Work | None:
+    """Post the send of ``tensor`` to global rank ``peer`` on fsdptk's process group."""
+    return dist.isend(tensor, dst=peer, group=comm_group())
+
+
+def irecv(tensor: torch.Tensor, peer: int) -> dist.Work | None:
+    """Post the receive of ``tensor`` from global rank ``peer`` on fsdptk's process group."""
+    return dist.irecv(tensor, src=peer, group=comm_group())
 
 
 class InFlight:
