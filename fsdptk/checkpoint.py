@@ -354,21 +354,38 @@ def save_safetensors(
         >>> sorted(load_file(f"{d}/model.safetensors"))
         ['bias', 'weight']
     """
-    from fsdptk._engine import collect
-
     path = Path(path)
     limit = parse_size(max_shard_size)
     bucket = _bucket(bucket_bytes)
     items, out_name, dtypes = _save_items(model, tied, rename, dtype)
-    entries = [(out_name[k], dtypes[k], tuple(t.shape)) for k, t in items]
-    files = plan_shards(entries, limit)  # validates dtypes on every rank
 
-    def open_writer() -> tuple[ShardedWriter, Any]:
+    def stage_config() -> Any:
         from fsdptk.hf import _stage_hf_config
 
-        w = ShardedWriter(path, entries, max_shard_size=limit, metadata=metadata)
+        return _stage_hf_config(model, path, dtype=dtype) if write_config else None
+
+    return _write_streamed(path, items, out_name, dtypes, limit=limit, bucket=bucket,
+                           metadata=metadata, progress=progress, stage=stage_config)
+
+
+def _write_streamed(path: Path, items: list[tuple[str, torch.Tensor]], out_name: dict[str, str],
+                    dtypes: dict[str, torch.dtype], *, limit: int, bucket: dict[str, int],
+                    metadata: Mapping[str, str] | None, progress: bool | None,
+                    stage: Callable[[], Any], prefix: str = "model") -> Path:
+    """Gather ``items`` to rank 0 bucket by bucket and write them as ``<prefix>.safetensors`` (or
+    shards plus an index) in ``path``: the writer of :func:`save_safetensors` and
+    :func:`fsdptk.hf.save_adapter`. ``stage()`` (rank 0, before any tensor moves) returns staged
+    side files (``commit()`` / ``abort()``, e.g. a config) renamed in after the weights commit,
+    under the directory's lock, or ``None``."""
+    from fsdptk._engine import collect
+
+    entries = [(out_name[k], dtypes[k], tuple(t.shape)) for k, t in items]
+    files = plan_shards(entries, limit, prefix=prefix)  # validates dtypes on every rank
+
+    def open_writer() -> tuple[ShardedWriter, Any]:
+        w = ShardedWriter(path, entries, max_shard_size=limit, metadata=metadata, prefix=prefix)
         try:
-            staged = _stage_hf_config(model, path, dtype=dtype) if write_config else None
+            staged = stage()
         except BaseException:
             w.abort()
             raise
@@ -395,4 +412,4 @@ def save_safetensors(
     raise_if_any(error)
     if result is not None:
         return result
-    return path / (files[0].name if len(files) == 1 else "model" + INDEX_SUFFIX)
+    return path / (files[0].name if len(files) == 1 else prefix + INDEX_SUFFIX)

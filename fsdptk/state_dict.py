@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdptk import _engine
+from fsdptk import _engine, _peft
 from fsdptk import buffers as _buffers
 from fsdptk._compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._dist import (all_gather_object, check_comm_device, check_rank_zero, check_type, is_rank0,
@@ -331,7 +331,8 @@ def load_from_full_model_state_dict(
         device = torch.device(device)
         bucket_bytes = bucket_size(bucket_bytes)
         targets, aliases = _tensor_groups(model)
-        source = _AliasedSource({} if full_sd is None else full_sd, aliases)
+        # a PEFT model reads a plain base checkpoint under its own keys (fsdptk._peft)
+        source = _AliasedSource(_peft.base_view(model, {} if full_sd is None else full_sd), aliases)
         buffers_local = _buffer_local(model, init_buffers)
     except Exception as e:  # noqa: BLE001 - agreed by the exchange just below
         error, targets, source, buffers_local = e, [], {}, ({}, None)
@@ -340,6 +341,7 @@ def load_from_full_model_state_dict(
     plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0, extra=buffers_local[1],
                          failed=error)
     missing = [k for k in model.state_dict(keep_vars=True) if aliases.get(k, k) in plan.missing]
+    missing = _peft.without_left_adapters(getattr(source, "_src", None), missing)
     if strict:
         _check_strict(model, missing, plan.unexpected)
     recomputed, send = _buffer_plan(model, broadcast_from_rank0, init_buffers, buffers_local, plan.extras)
@@ -381,8 +383,9 @@ def _gather_items(model: nn.Module, adapter_weights_only: bool,
                   ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, list[str]]]:
     """Items to gather (one per tensor object) and canonical fqn -> alias fqns."""
     targets, aliases = _tensor_groups(model)
-    if adapter_weights_only:
-        keep = is_adapter or (lambda _fqn, t: isinstance(t, nn.Parameter) and t.requires_grad)
+    if adapter_weights_only:  # a PEFT model: what PEFT saves; any other: torchtune's rule
+        keep = is_adapter or _peft.adapter_predicate(model) or (
+            lambda _fqn, t: isinstance(t, nn.Parameter) and t.requires_grad)
         targets = [(fqn, t) for fqn, t in targets if keep(fqn, t)]
     groups: dict[str, list[str]] = {}
     for alias, canon in aliases.items():
