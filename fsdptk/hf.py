@@ -351,16 +351,16 @@ def save_adapter(
         CheckpointLockedError: another writer is saving to ``path``, on every rank.
 
     Example:
-        >>> import tempfile, torch
-        >>> from peft import LoraConfig, get_peft_model
-        >>> from fsdptk.hf import save_adapter
-        >>> model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)),
+        >>> import tempfile, torch  # peft: tests/test_peft.py  # doctest: +SKIP
+        >>> from peft import LoraConfig, get_peft_model  # peft: tests/test_peft.py  # doctest: +SKIP
+        >>> from fsdptk.hf import save_adapter  # peft: tests/test_peft.py  # doctest: +SKIP
+        >>> model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)),  # peft: tests/test_peft.py  # doctest: +SKIP
         ...                        LoraConfig(r=2, target_modules=["0"]))
-        >>> d = tempfile.mkdtemp()
-        >>> save_adapter(model, d).name
+        >>> d = tempfile.mkdtemp()  # peft: tests/test_peft.py  # doctest: +SKIP
+        >>> save_adapter(model, d).name  # peft: tests/test_peft.py  # doctest: +SKIP
         'adapter_model.safetensors'
-        >>> from safetensors.torch import load_file
-        >>> sorted(load_file(f"{d}/adapter_model.safetensors"))
+        >>> from safetensors.torch import load_file  # peft: tests/test_peft.py  # doctest: +SKIP
+        >>> sorted(load_file(f"{d}/adapter_model.safetensors"))  # peft: tests/test_peft.py  # doctest: +SKIP
         ['base_model.model.0.lora_A.weight', 'base_model.model.0.lora_B.weight']
     """
     import sys
@@ -435,16 +435,16 @@ def load_adapter(
             before the model changes.
 
     Example:
-        >>> import tempfile, torch
-        >>> from peft import LoraConfig, get_peft_model
-        >>> from fsdptk.hf import load_adapter, save_adapter
-        >>> cfg = LoraConfig(r=2, target_modules=["0"], init_lora_weights=False)
-        >>> src = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), cfg)
-        >>> d = tempfile.mkdtemp(); _ = save_adapter(src, d)
-        >>> dst = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), cfg)
-        >>> load_adapter(dst, d)
+        >>> import tempfile, torch  # peft: tests/test_peft.py  # doctest: +SKIP
+        >>> from peft import LoraConfig, get_peft_model  # peft: tests/test_peft.py  # doctest: +SKIP
+        >>> from fsdptk.hf import load_adapter, save_adapter  # peft: tests/test_peft.py  # doctest: +SKIP
+        >>> cfg = LoraConfig(r=2, target_modules=["0"], init_lora_weights=False)  # peft: tests/test_peft.py  # doctest: +SKIP
+        >>> src = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), cfg)  # peft: tests/test_peft.py  # doctest: +SKIP
+        >>> d = tempfile.mkdtemp(); _ = save_adapter(src, d)  # peft: tests/test_peft.py  # doctest: +SKIP
+        >>> dst = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), cfg)  # peft: tests/test_peft.py  # doctest: +SKIP
+        >>> load_adapter(dst, d)  # peft: tests/test_peft.py  # doctest: +SKIP
         <All keys matched successfully>
-        >>> torch.equal(dst.base_model.model[0].lora_B["default"].weight,
+        >>> torch.equal(dst.base_model.model[0].lora_B["default"].weight,  # peft: tests/test_peft.py  # doctest: +SKIP
         ...             src.base_model.model[0].lora_B["default"].weight)
         True
     """

@@ -115,18 +115,26 @@ def _record_collect():
 
 # ---------------------------------------------------------------------------------------------
 # run on every rank
-def _loop(family: str, dora: bool, base: str, init: str, out: str, mid: str, ref_logits):
+def _loop(family: str, dora: bool, mode: str, base: str, init: str, out: str, mid: str, ref_logits):
     import torch.distributed as dist
 
-    from fsdptk import (gather_cpu_state_dict, get_full_optimizer_state_dict, load_safetensors,
-                        load_from_full_optimizer_state_dict, shard_model,
+    from safetensors.torch import load_file
+
+    from fsdptk import (gather_cpu_state_dict, get_full_optimizer_state_dict,
+                        load_from_full_model_state_dict, load_from_full_optimizer_state_dict,
+                        load_safetensors, shard_model,
                         validate_no_params_on_meta_device)
     from fsdptk.hf import load_adapter, save_adapter
 
     rank0 = dist.get_rank() == 0
     model = _meta_peft(family, dora)
     plan = shard_model(model, no_split_modules(model), cpu_offload=False)
-    res = load_safetensors(model, base, strict=True)  # the plain base checkpoint: no rename
+    if mode == "broadcast":  # the base model's own state dict, on rank 0 only
+        full_sd = load_file(f"{base}/model.safetensors") if rank0 else {}
+        res = load_from_full_model_state_dict(model, full_sd, "cpu", strict=True,
+                                              broadcast_from_rank0=True)
+    else:  # the plain base checkpoint directory: no rename
+        res = load_safetensors(model, base, strict=True)
     left = sorted(n for n, p in model.named_parameters() if p.is_meta)
     ares = load_adapter(model, init)
     validate_no_params_on_meta_device(model)
@@ -169,17 +177,19 @@ def _loop(family: str, dora: bool, base: str, init: str, out: str, mid: str, ref
     }
 
 
-CASES = [("llama", False, 2), ("llama", True, 4), ("qwen2", False, 4), ("qwen2", True, 2)]
+# (family, DoRA, base load, world size)
+CASES = [("llama", False, "safetensors", 2), ("llama", True, "safetensors", 4),
+         ("qwen2", False, "broadcast", 4), ("qwen2", True, "broadcast", 2)]
 
 
-@pytest.mark.parametrize("family, dora, n", CASES, ids=[
-    f"{f}-{'dora' if d else 'lora'}-{n}ranks" for f, d, n in CASES])
-def test_lora_meta_shard_load_train_save_resume(world, reference, tmp_path, family, dora, n):
+@pytest.mark.parametrize("family, dora, mode, n", CASES, ids=[
+    f"{f}-{'dora' if d else 'lora'}-{m}-{n}ranks" for f, d, m, n in CASES])
+def test_lora_meta_shard_load_train_save_resume(world, reference, tmp_path, family, dora, mode, n):
     from safetensors import safe_open
 
     ref = reference(family, dora)
     out, mid = tmp_path / "adapter", tmp_path / "mid"
-    results = world(n).run(_loop, family, dora, str(ref["base"]), str(ref["init"]), str(out),
+    results = world(n).run(_loop, family, dora, mode, str(ref["base"]), str(ref["init"]), str(out),
                            str(mid), ref["logits"])
     r0 = results[0]
     assert r0["units"] == ["base_model.model.model.layers.0", "base_model.model.model.layers.1",
