@@ -71,12 +71,15 @@ def require_adapter(model: nn.Module, adapter_name: str) -> Any:
     return configs[adapter_name]
 
 
-def adapter_file_names(model: nn.Module, adapter_name: str) -> dict[str, str]:
+def adapter_file_names(model: nn.Module, adapter_name: str, *,
+                       embeddings: bool | str = "auto") -> dict[str, str]:
     """``{key in PEFT's adapter file: model fqn}`` for one adapter, as PEFT itself decides.
 
     PEFT's ``get_peft_model_state_dict`` is given ``model.state_dict(keep_vars=True)`` and returns
     the model's own tensor objects (sharded or not) under the keys ``PeftModel.save_pretrained``
-    writes; each is matched back to its fqn by identity. Nothing moves.
+    writes; each is matched back to its fqn by identity. Nothing moves. ``embeddings`` is PEFT's
+    ``save_embedding_layers`` (``"auto"``: as ``save_pretrained``, which saves the embedding
+    layers when targeted or resized; ``False`` for the adapter weights proper).
 
     Raises:
         TypeError / KeyError: see :func:`require_adapter`.
@@ -90,7 +93,8 @@ def adapter_file_names(model: nn.Module, adapter_name: str) -> dict[str, str]:
     fqn_of: dict[int, str] = {}
     for fqn, t in sd.items():
         fqn_of.setdefault(id(t), fqn)
-    out = get_peft_model_state_dict(model, state_dict=sd, adapter_name=adapter_name)
+    out = get_peft_model_state_dict(model, state_dict=sd, adapter_name=adapter_name,
+                                    save_embedding_layers=embeddings)
     names: dict[str, str] = {}
     for key, t in out.items():
         fqn = fqn_of.get(id(t))
@@ -106,7 +110,8 @@ def adapter_file_names(model: nn.Module, adapter_name: str) -> dict[str, str]:
 def _adapter_ids(model: nn.Module, configs: Mapping[str, Any]) -> tuple[set[int], set[str]]:
     """ids and fqns of every adapter tensor, over all the model's adapters."""
     sd = model.state_dict(keep_vars=True)
-    fqns = {fqn for name in configs for fqn in adapter_file_names(model, name).values()}
+    fqns = {fqn for name in configs
+            for fqn in adapter_file_names(model, name, embeddings=False).values()}
     return {id(sd[f]) for f in fqns}, fqns
 
 
