@@ -29,13 +29,16 @@ from fsdptk._engine.sources import as_source, holds_value
 
 __all__ = [
     "BaseView",
+    "adapter_config_json",
     "adapter_file_names",
     "adapter_predicate",
+    "base_names",
     "base_view",
     "check_adapter_dir",
     "peft_configs",
     "require_adapter",
     "staged_adapter_config",
+    "without_left_adapters",
 ]
 
 
@@ -97,13 +100,13 @@ def adapter_file_names(model: nn.Module, adapter_name: str, *,
                                     save_embedding_layers=embeddings)
     names: dict[str, str] = {}
     for key, t in out.items():
-        fqn = fqn_of.get(id(t))
-        if fqn is None:
+        found = fqn_of.get(id(t))
+        if found is None:
             raise NotImplementedError(
                 f"adapter {adapter_name!r}: PEFT saves {key!r}, which is no tensor of the model (its "
                 "tuner computes it); fsdptk gathers tuners whose adapter state is the model's own "
                 "tensors (LoRA, DoRA, IA3, ...)")
-        names[key] = fqn
+        names[key] = found
     return names
 
 
@@ -126,13 +129,20 @@ def adapter_predicate(model: nn.Module) -> Callable[[str, torch.Tensor], bool] |
     return lambda _fqn, t: id(t) in ids
 
 
+def _base_model(model: nn.Module) -> nn.Module:
+    """The transformers (or other) model the tuners were injected into: ``get_base_model()`` of a
+    ``PeftModel``, the model itself otherwise."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
 def _stand_ins(model: nn.Module) -> tuple[str, set[str]]:
     """(path of the base model inside ``model``, module paths that stand where their parent stood
     in the base model: tuner layers' ``base_layer``, auxiliary wrappers' ``original_module``)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
 
-    root = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    root = _base_model(model)
     root_path, dropped = None, set()
     for name, mod in model.named_modules():
         if mod is root and root_path is None:
@@ -265,7 +275,7 @@ def adapter_config_json(model: nn.Module, adapter_name: str) -> tuple[Any, dict[
     from torch.distributed.fsdp import FSDPModule
 
     config = copy.deepcopy(require_adapter(model, adapter_name))
-    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    base = _base_model(model)
     if config.base_model_name_or_path is None:
         config.base_model_name_or_path = base.__dict__.get("name_or_path", None) or None
     config.inference_mode = True
