@@ -351,17 +351,16 @@ def save_adapter(
         CheckpointLockedError: another writer is saving to ``path``, on every rank.
 
     Example:
-        >>> import tempfile, torch  # peft: tests/test_peft.py  # doctest: +SKIP
-        >>> from peft import LoraConfig, get_peft_model  # peft: tests/test_peft.py  # doctest: +SKIP
-        >>> from fsdptk.hf import save_adapter  # peft: tests/test_peft.py  # doctest: +SKIP
-        >>> model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)),  # peft: tests/test_peft.py  # doctest: +SKIP
-        ...                        LoraConfig(r=2, target_modules=["0"]))
-        >>> d = tempfile.mkdtemp()  # peft: tests/test_peft.py  # doctest: +SKIP
-        >>> save_adapter(model, d).name  # peft: tests/test_peft.py  # doctest: +SKIP
-        'adapter_model.safetensors'
-        >>> from safetensors.torch import load_file  # peft: tests/test_peft.py  # doctest: +SKIP
-        >>> sorted(load_file(f"{d}/adapter_model.safetensors"))  # peft: tests/test_peft.py  # doctest: +SKIP
-        ['base_model.model.0.lora_A.weight', 'base_model.model.0.lora_B.weight']
+        On every rank, after ``shard_model`` and training (the whole loop runs in docs/hf.md)::
+
+            save_adapter(model, "out/adapter")   # adapter_model.safetensors, adapter_config.json
+
+        A model without a PEFT adapter is refused before anything is written:
+
+        >>> import tempfile, torch
+        >>> save_adapter(torch.nn.Linear(2, 2), tempfile.mkdtemp())
+        Traceback (most recent call last):
+        TypeError: Linear has no PEFT adapter (no peft_config of PeftConfig objects): wrap it with peft.get_peft_model(model, config) before sharding
     """
     import sys
 
@@ -435,18 +434,19 @@ def load_adapter(
             before the model changes.
 
     Example:
-        >>> import tempfile, torch  # peft: tests/test_peft.py  # doctest: +SKIP
-        >>> from peft import LoraConfig, get_peft_model  # peft: tests/test_peft.py  # doctest: +SKIP
-        >>> from fsdptk.hf import load_adapter, save_adapter  # peft: tests/test_peft.py  # doctest: +SKIP
-        >>> cfg = LoraConfig(r=2, target_modules=["0"], init_lora_weights=False)  # peft: tests/test_peft.py  # doctest: +SKIP
-        >>> src = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), cfg)  # peft: tests/test_peft.py  # doctest: +SKIP
-        >>> d = tempfile.mkdtemp(); _ = save_adapter(src, d)  # peft: tests/test_peft.py  # doctest: +SKIP
-        >>> dst = get_peft_model(torch.nn.Sequential(torch.nn.Linear(4, 4)), cfg)  # peft: tests/test_peft.py  # doctest: +SKIP
-        >>> load_adapter(dst, d)  # peft: tests/test_peft.py  # doctest: +SKIP
-        <All keys matched successfully>
-        >>> torch.equal(dst.base_model.model[0].lora_B["default"].weight,  # peft: tests/test_peft.py  # doctest: +SKIP
-        ...             src.base_model.model[0].lora_B["default"].weight)
-        True
+        Resuming, on every rank (the whole loop runs in docs/hf.md)::
+
+            model = get_peft_model(meta_base, lora_config)
+            shard_model(model, no_split_modules(model), cpu_offload=False)
+            load_safetensors(model, base_dir, strict=True)   # the plain base checkpoint
+            load_adapter(model, "out/adapter")
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+            load_from_full_optimizer_state_dict(model, opt, osd, "cpu")
+
+        >>> import tempfile, torch
+        >>> load_adapter(torch.nn.Linear(2, 2), tempfile.mkdtemp())
+        Traceback (most recent call last):
+        TypeError: Linear has no PEFT adapter (no peft_config of PeftConfig objects): wrap it with peft.get_peft_model(model, config) before sharding
     """
     from fsdptk import _peft
     from fsdptk._compat import IncompatibleKeys
