@@ -411,9 +411,10 @@ def iter_full_state_dict(
         model: the (sharded) model; the same structure on every rank.
         bucket_bytes: full-tensor bytes per bucket, bounding memory on every rank (``None``: the
             engine's default, 16 MiB).
-        adapter_weights_only: gather only adapter weights, never moving the frozen base. An adapter
-            weight is a trainable parameter (``requires_grad=True``) unless ``is_adapter`` says
-            otherwise.
+        adapter_weights_only: gather only adapter weights, never moving the frozen base. On a PEFT
+            model an adapter weight is a tensor PEFT's ``get_peft_model_state_dict`` returns for one
+            of its adapters (under the model's fqns); on any other model a trainable parameter
+            (``requires_grad=True``), torchtune's rule; ``is_adapter`` overrides both.
         is_adapter: ``(fqn, tensor) -> bool`` deciding what an adapter weight is, e.g. by name:
             ``lambda fqn, _: "lora_" in fqn or "magnitude" in fqn``.
 
@@ -481,7 +482,8 @@ def gather_cpu_state_dict(
             process group's: fsdptk always communicates on the backend's device (CPU for gloo, the
             current accelerator otherwise), so a ``device`` of another type warns that it is not
             used. The results are always CPU tensors.
-        adapter_weights_only: gather only trainable parameters (or what ``is_adapter`` selects).
+        adapter_weights_only: gather only adapter weights: PEFT's adapter tensors on a PEFT model,
+            else trainable parameters (torchtune's rule), or what ``is_adapter`` selects.
         bucket_bytes: bounds the memory one bucket adds on every rank beyond the result
             (``None``: the engine's default, 16 MiB): packed small pieces. The full tensors are
             the result (kept anyway), so large dim-0 shards received in place move in one bucket.
