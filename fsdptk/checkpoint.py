@@ -380,6 +380,7 @@ class _SavePlan:
     metadata: Mapping[str, str] | None
     bucket_bytes: int
     progress: bool | None
+    prefix: str = "model"  # file names: <prefix>.safetensors, or shards and <prefix>.safetensors.index.json
 
 
 def _plan_save(model: nn.Module, path: PathLike, *, max_shard_size: int | str, tied: str,
@@ -405,7 +406,7 @@ def _write_save(plan: _SavePlan, stage_config: Callable[[], Any]) -> Path:
     path, entries, limit = plan.path, plan.entries, plan.limit
 
     def open_writer() -> tuple[ShardedWriter, Any]:
-        w = ShardedWriter(path, entries, max_shard_size=limit, metadata=plan.metadata)
+        w = ShardedWriter(path, entries, max_shard_size=limit, metadata=plan.metadata, prefix=plan.prefix)
         try:
             staged = stage_config()
         except BaseException:
@@ -436,4 +437,22 @@ def _write_save(plan: _SavePlan, stage_config: Callable[[], Any]) -> Path:
     raise_if_any(error)
     if result is not None:
         return result
-    return path / (plan.files[0].name if len(plan.files) == 1 else "model" + INDEX_SUFFIX)
+    return path / (plan.files[0].name if len(plan.files) == 1 else plan.prefix + INDEX_SUFFIX)
+
+
+def _write_streamed(path: Path, items: list[tuple[str, torch.Tensor]], out_name: dict[str, str],
+                    dtypes: dict[str, torch.dtype], *, limit: int, bucket_bytes: int | None,
+                    metadata: Mapping[str, str] | None, progress: bool | None,
+                    stage: Callable[[], Any], prefix: str = "model") -> Path:
+    """Gather ``items`` to rank 0 bucket by bucket and write them as ``<prefix>.safetensors`` (or
+    shards plus an index) in ``path``, as :func:`save_safetensors` does: the writer of
+    :func:`fsdptk.hf.save_adapter`. ``stage()`` (rank 0, before any tensor moves) returns staged
+    side files (``commit()`` / ``abort()``, e.g. a config) renamed in after the weights commit,
+    under the directory's lock, or ``None``."""
+    wait_for_pending()
+    entries = [(out_name[k], dtypes[k], tuple(t.shape)) for k, t in items]
+    files = plan_shards(entries, limit, prefix=prefix)  # validates dtypes on every rank
+    plan = _SavePlan(path=Path(path), items=items, out_name=out_name, dtypes=dtypes, entries=entries,
+                     files=files, limit=limit, metadata=metadata, bucket_bytes=bucket_size(bucket_bytes),
+                     progress=progress, prefix=prefix)
+    return _write_save(plan, stage)

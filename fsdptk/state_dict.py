@@ -14,7 +14,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from fsdptk import _engine
+from fsdptk import _engine, _peft
 from fsdptk import buffers as _buffers
 from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.dist import (
@@ -337,7 +337,8 @@ def load_from_full_model_state_dict(
         dev = torch.device(device)
         nbytes = bucket_size(bucket_bytes)
         targets, aliases = _tensor_groups(model)
-        source = _AliasedSource({} if full_sd is None else full_sd, aliases)
+        # a PEFT model reads a plain base checkpoint under its own keys (fsdptk._peft)
+        source = _AliasedSource(_peft.base_view(model, {} if full_sd is None else full_sd), aliases)
         buffers_local = _buffer_local(model, init_buffers)
     except Exception as e:  # noqa: BLE001 - agreed by the exchange just below
         error, targets, source, buffers_local = e, [], _AliasedSource({}, {}), ({}, None)
@@ -347,6 +348,7 @@ def load_from_full_model_state_dict(
     plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0, extra=buffers_local[1],
                          failed=error)
     missing = [k for k in model.state_dict(keep_vars=True) if aliases.get(k, k) in plan.missing]
+    missing = _peft.without_left_adapters(getattr(source, "_src", None), missing)
     if strict:
         _check_strict(model, missing, plan.unexpected)
     recomputed, send = _buffer_plan(model, broadcast_from_rank0, init_buffers, buffers_local, plan.extras)
@@ -388,8 +390,9 @@ def _gather_items(model: nn.Module, adapter_weights_only: bool,
                   ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, list[str]]]:
     """Items to gather (one per tensor object) and canonical fqn -> alias fqns."""
     targets, aliases = _tensor_groups(model)
-    if adapter_weights_only:
-        keep = is_adapter or (lambda _fqn, t: isinstance(t, nn.Parameter) and t.requires_grad)
+    if adapter_weights_only:  # a PEFT model: what PEFT saves; any other: torchtune's rule
+        keep = is_adapter or _peft.adapter_predicate(model) or (
+            lambda _fqn, t: isinstance(t, nn.Parameter) and t.requires_grad)
         targets = [(fqn, t) for fqn, t in targets if keep(fqn, t)]
     groups: dict[str, list[str]] = {}
     for alias, canon in aliases.items():
@@ -415,9 +418,10 @@ def iter_full_state_dict(
         model: the (sharded) model; the same structure on every rank.
         bucket_bytes: full-tensor bytes per bucket, bounding memory on every rank (``None``: the
             engine's default, 16 MiB).
-        adapter_weights_only: gather only adapter weights, never moving the frozen base. An adapter
-            weight is a trainable parameter (``requires_grad=True``) unless ``is_adapter`` says
-            otherwise.
+        adapter_weights_only: gather only adapter weights, never moving the frozen base. On a PEFT
+            model an adapter weight is a tensor PEFT's ``get_peft_model_state_dict`` returns for one
+            of its adapters (under the model's fqns); on any other model a trainable parameter
+            (``requires_grad=True``), torchtune's rule; ``is_adapter`` overrides both.
         is_adapter: ``(fqn, tensor) -> bool`` deciding what an adapter weight is, e.g. by name:
             ``lambda fqn, _: "lora_" in fqn or "magnitude" in fqn``.
 
@@ -486,7 +490,8 @@ def gather_cpu_state_dict(
             process group's: fsdptk always communicates on the backend's device (CPU for gloo, the
             current accelerator otherwise), so a ``device`` of another type warns that it is not
             used. The results are always CPU tensors.
-        adapter_weights_only: gather only trainable parameters (or what ``is_adapter`` selects).
+        adapter_weights_only: gather only adapter weights: PEFT's adapter tensors on a PEFT model,
+            else trainable parameters (torchtune's rule), or what ``is_adapter`` selects.
         bucket_bytes: bounds the memory one bucket adds on every rank beyond the result
             (``None``: the engine's default, 16 MiB): packed small pieces. The full tensors are
             the result (kept anyway), so large dim-0 shards received in place move in one bucket.

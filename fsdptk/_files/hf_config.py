@@ -12,13 +12,14 @@ import copy
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["StagedConfig", "hf_config", "stage_hf_config"]
+__all__ = ["StagedConfig", "hf_config", "stage_files", "stage_hf_config"]
 
 PathLike = str | os.PathLike[str]
 
@@ -98,8 +99,51 @@ class StagedConfig:
         shutil.rmtree(self.stage, ignore_errors=True)
 
 
+def stage_files(directory: PathLike, write: Callable[[Path], None]) -> StagedConfig:
+    """Run ``write(stage)`` into a new hidden directory inside ``directory`` (created if needed);
+    the files it writes are renamed into ``directory`` by :meth:`StagedConfig.commit`. A failing
+    ``write`` leaves nothing behind.
+
+    Example:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp())
+        >>> staged = stage_files(d, lambda stage: (stage / "a.json").write_text("{}"))
+        >>> [p.name for p in staged.commit()], sorted(p.name for p in d.iterdir())
+        (['a.json'], ['a.json'])
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    stage = directory / f".hf-config.{uuid.uuid4().hex[:8]}.tmp"
+    stage.mkdir()
+    try:
+        write(stage)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return StagedConfig(directory, stage)
+
+
+def _write_hf_config(model: nn.Module, config: Any, stage: Path, dtype: torch.dtype | None) -> None:
+    """Write ``config.json`` (and ``generation_config.json``) of ``model`` into ``stage``."""
+    config = copy.deepcopy(config)
+    dtype = dtype or _model_dtype(model)
+    if dtype is not None:
+        config.dtype = str(dtype).removeprefix("torch.")
+    arch = _architecture(model)
+    if arch is not None:
+        config.architectures = [arch]
+    if hasattr(config, "save_pretrained"):
+        config.save_pretrained(stage)
+    else:
+        config.to_json_file(str(stage / "config.json"))
+    gen: Any = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if gen is not None and hasattr(gen, "save_pretrained") and (can_generate is None or can_generate()):
+        gen.save_pretrained(stage)
+
+
 def stage_hf_config(model: nn.Module, directory: PathLike, *, dtype: torch.dtype | None = None
-                     ) -> StagedConfig | None:
+                    ) -> StagedConfig | None:
     """Write the model's HF config files to a hidden directory inside ``directory``.
 
     The files are what ``save_pretrained`` writes, from a copy of the config (the model's own is not
@@ -121,27 +165,4 @@ def stage_hf_config(model: nn.Module, directory: PathLike, *, dtype: torch.dtype
     config = hf_config(model)
     if config is None:
         return None
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    stage = directory / f".hf-config.{uuid.uuid4().hex[:8]}.tmp"
-    stage.mkdir()
-    try:
-        config = copy.deepcopy(config)
-        dtype = dtype or _model_dtype(model)
-        if dtype is not None:
-            config.dtype = str(dtype).removeprefix("torch.")
-        arch = _architecture(model)
-        if arch is not None:
-            config.architectures = [arch]
-        if hasattr(config, "save_pretrained"):
-            config.save_pretrained(stage)
-        else:
-            config.to_json_file(str(stage / "config.json"))
-        gen = getattr(model, "generation_config", None)
-        can_generate = getattr(model, "can_generate", None)
-        if gen is not None and hasattr(gen, "save_pretrained") and (can_generate is None or can_generate()):
-            gen.save_pretrained(stage)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
-    return StagedConfig(directory, stage)
+    return stage_files(directory, lambda stage: _write_hf_config(model, config, stage, dtype))
