@@ -30,17 +30,13 @@ from fsdptk._core.names import tie_groups
 from fsdptk._engine import bucket_size
 from fsdptk._engine.sources import SliceSource
 from fsdptk._files.common import Rename, infer_device, progress_bar, rename_keys, trim_heap
-from fsdptk._files.lock import CheckpointLockedError
 from fsdptk._files.safetensors_io import (
     INDEX_SUFFIX,
-    CheckpointError,
     SafetensorsCheckpoint,
     parse_size,
 )
 from fsdptk._files.safetensors_writer import ShardedWriter, plan_shards
 from fsdptk.dcp import (
-    convert_dcp_to_safetensors,
-    convert_safetensors_to_dcp,
     dcp_to_safetensors,
     load_dcp,
     safetensors_to_dcp,
@@ -48,8 +44,6 @@ from fsdptk.dcp import (
 )
 
 __all__ = [
-    "CheckpointError",
-    "CheckpointLockedError",
     "SafetensorsCheckpoint",
     "load_safetensors",
     "save_safetensors",
@@ -57,8 +51,6 @@ __all__ = [
     "load_dcp",
     "dcp_to_safetensors",
     "safetensors_to_dcp",
-    "convert_dcp_to_safetensors",
-    "convert_safetensors_to_dcp",
     "parse_size",
 ]
 
@@ -257,8 +249,8 @@ def _stream(buckets: Generator[list[tuple[str, torch.Tensor]], None, None], writ
             out_name: dict[str, str], dtypes: dict[str, torch.dtype], bar: Any
             ) -> tuple[BaseException | None, Path | None]:
     """Write every gathered tensor (rank 0) and commit. A write error is thrown into ``buckets``
-    (the engine's ``collect``): its next status agreement raises it on every rank at once."""
-    error: BaseException | None = None
+    (the engine's ``collect``): its next status agreement raises it on every rank at once. A
+    commit error is returned (agreed by the caller)."""
     with bar:
         for bucket in buckets:
             for key, full in bucket:  # rank 0 only; the other ranks get empty buckets
@@ -272,14 +264,12 @@ def _stream(buckets: Generator[list[tuple[str, torch.Tensor]], None, None], writ
                 del bucket
                 trim_heap()
     if writer is None:
-        return error, None
+        return None, None
     try:
-        if error is None:
-            return None, writer.commit()
-    except Exception as e:  # noqa: BLE001
-        error = e
-    writer.abort()
-    return error, None
+        return None, writer.commit()
+    except Exception as e:  # noqa: BLE001 - agreed by the caller (raise_if_any)
+        writer.abort()
+        return e, None
 
 
 def save_safetensors(

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdptk import errors
 from fsdptk._core.dist import all_gather_object, has_process_group, is_rank0, run_agreed
 from fsdptk._core.dist import world as _world
 from fsdptk._files.commit import dcp_backup, dcp_names, recover_dcp, swap_in_dcp
@@ -39,7 +40,7 @@ from fsdptk._files.common import progress_bar, trim_heap
 from fsdptk._files.lock import DirectoryLock
 from fsdptk._files.paths import check_disjoint
 from fsdptk._files.safe_pickle import safe_load_planner, safe_reader
-from fsdptk._files.safetensors_io import CheckpointError, SafetensorsCheckpoint, parse_size
+from fsdptk._files.safetensors_io import SafetensorsCheckpoint, parse_size
 from fsdptk._files.safetensors_writer import ShardedWriter
 from fsdptk.errors import StateDictMismatchError
 
@@ -48,8 +49,6 @@ __all__ = [
     "load_dcp",
     "dcp_to_safetensors",
     "safetensors_to_dcp",
-    "convert_dcp_to_safetensors",
-    "convert_safetensors_to_dcp",
 ]
 
 PathLike = str | os.PathLike[str]
@@ -328,7 +327,7 @@ def load_dcp(
     path, keys = run_agreed(lambda: _readable_keys(Path(path)))
     has_optim = any(k.startswith("optim.") for k in keys)
     if optimizer is not None and not has_optim:
-        raise CheckpointError(f"{str(path)!r} holds no optimizer state (no 'optim.*' entries); "
+        raise errors.CheckpointError(f"{str(path)!r} holds no optimizer state (no 'optim.*' entries); "
                               "pass optimizer=None or load another checkpoint")
     options = StateDictOptions(strict=strict)
     # local steps between collectives: a failure on one rank is raised on every rank
@@ -365,7 +364,7 @@ def _tensor_keys(meta: dict[str, Any], prefix: str | None, src: Path) -> dict[st
             out[key[len(prefix):]] = key
     if not out:
         tops = sorted({k.split(".", 1)[0] + "." for k in meta})
-        raise CheckpointError(f"no tensor under prefix {prefix!r} in DCP checkpoint {str(src)!r} "
+        raise errors.CheckpointError(f"no tensor under prefix {prefix!r} in DCP checkpoint {str(src)!r} "
                               f"(top-level prefixes: {tops}); pass prefix=None for every tensor")
     return out
 
@@ -532,6 +531,3 @@ def safetensors_to_dcp(
         staging.commit()
     return dst
 
-
-convert_dcp_to_safetensors = dcp_to_safetensors
-convert_safetensors_to_dcp = safetensors_to_dcp

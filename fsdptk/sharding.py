@@ -31,7 +31,6 @@ from torch.distributed.fsdp import (
 
 from fsdptk._core.dist import has_process_group, log_rank0, world
 from fsdptk._plans.sharding import (
-    ShardConditionError,
     ShardingPlan,
     UnitPlan,
     _make_plan,
@@ -41,7 +40,7 @@ from fsdptk._plans.sharding import (
 )
 from fsdptk.predicates import ShardCondition
 
-__all__ = ["shard_model", "describe_sharding", "ShardingPlan", "UnitPlan", "ShardConditionError"]
+__all__ = ["shard_model", "describe_sharding", "ShardingPlan", "UnitPlan"]
 
 _log = logging.getLogger(__name__)
 

@@ -16,19 +16,28 @@ import fsdptk
 from fsdptk import errors
 
 
-def test_exceptions_live_in_errors_and_keep_their_old_paths() -> None:
-    from fsdptk._files.lock import CheckpointLockedError
-    from fsdptk._files.safetensors_io import CheckpointError
-    from fsdptk.checkpoint import CheckpointError as C2
-    from fsdptk.cli import CLIError
-    from fsdptk.sharding import ShardConditionError
+def test_exceptions_live_in_errors_only() -> None:
+    import importlib
+    import pkgutil
 
-    assert CheckpointError is C2 is errors.CheckpointError is fsdptk.CheckpointError
-    assert CheckpointLockedError is errors.CheckpointLockedError is fsdptk.CheckpointLockedError
-    assert ShardConditionError is errors.ShardConditionError is fsdptk.ShardConditionError
-    assert CLIError is errors.CLIError
-    for cls in (CheckpointError, CheckpointLockedError, ShardConditionError, CLIError):
-        assert cls.__module__ == "fsdptk.errors"
+    classes = {v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)
+               and v.__module__ == "fsdptk.errors"}
+    assert {c.__name__ for c in classes} == set(errors.__all__)
+    for cls in classes:  # the top-level package lists some of them, from fsdptk.errors
+        assert getattr(fsdptk, cls.__name__, cls) is cls
+    # no other public module exports an exception class (one import path each)
+    for info in pkgutil.iter_modules(fsdptk.__path__):
+        if info.name.startswith("_") or info.name in ("errors", "testing"):
+            continue
+        mod = importlib.import_module(f"fsdptk.{info.name}")
+        exported = {name for name in getattr(mod, "__all__", ())
+                    if isinstance(getattr(mod, name), type) and issubclass(getattr(mod, name), Exception)}
+        assert not exported, (info.name, exported)
+    for old in ("fsdptk.checkpoint.CheckpointError", "fsdptk.dcp.CheckpointError", "fsdptk.checkpoint.CheckpointLockedError",
+                "fsdptk.sharding.ShardConditionError", "fsdptk.cli.CLIError",
+                "fsdptk.dcp.convert_dcp_to_safetensors", "fsdptk.checkpoint.convert_safetensors_to_dcp"):
+        module, name = old.rsplit(".", 1)
+        assert not hasattr(importlib.import_module(module), name), old
     assert issubclass(errors.StateDictMismatchError, RuntimeError)
     assert issubclass(errors.StateDictMismatchError, ValueError)
 

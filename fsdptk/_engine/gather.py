@@ -41,11 +41,6 @@ def _collect_view(t: object, rank: int) -> tuple[Layout | None, Box | None, str 
     return layout, layout.send_box(rank), None
 
 
-def _plain_local(layout: Layout) -> torch.Tensor:
-    """The local tensor a sender sends (NF4 dequantised)."""
-    return layout.send_local()
-
-
 def collect(
     items: Iterable[tuple[str, torch.Tensor]],
     *,
@@ -200,7 +195,7 @@ def _collect_pack(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], 
     off, alone = 0, []
     for i in mine:
         try:
-            local = _plain_local(layouts[i])
+            local = layouts[i].send_local()
             if direct[i]:
                 alone.append(local.to(comm).contiguous())
             elif buf is not None:
@@ -240,7 +235,7 @@ def _collect_own(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], b
         for i in bucket:
             if boxes[i] is not None:
                 name = items[i][0]
-                place(fulls[i], boxes[i], _plain_local(layouts[i]).cpu())
+                place(fulls[i], boxes[i], layouts[i].send_local().cpu())
     except Exception as exc:  # noqa: BLE001 - agreed at the next boundary
         status.fail(exc, f"reading its shard of {name!r}")
 

@@ -24,8 +24,9 @@ import torch
 
 from fsdptk._engine.sources import SAFETENSORS_DTYPES as _ST_TO_DTYPE
 from fsdptk._files.paths import plain_name, require_regular
+from fsdptk.errors import CheckpointError
 
-__all__ = ["CheckpointError", "SafetensorsCheckpoint", "parse_size"]
+__all__ = ["SafetensorsCheckpoint", "parse_size"]
 
 INDEX_SUFFIX = ".safetensors.index.json"
 # HF shard names; fsdptk adds a save token (``.1a2b3c4d``) when the plain names are taken
@@ -35,9 +36,6 @@ _DTYPE_TO_ST: dict[torch.dtype, str] = {v: k for k, v in _ST_TO_DTYPE.items()}
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-from fsdptk.errors import CheckpointError  # noqa: E402 - re-exported (its old import path)
 
 
 def parse_size(size: int | str) -> int:

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from fsdptk._core.names import clean_fqn, param_owners
+from fsdptk.errors import ShardConditionError
 from fsdptk.predicates import ShardCondition, describe_predicate
 
 __all__ = ["ShardingPlan", "UnitPlan", "describe_sharding"]
@@ -139,9 +140,6 @@ class _Plan:
     root: _Unit
     notes: list[str] = field(default_factory=list)
     params_of: dict[int, list[nn.Parameter]] = field(default_factory=dict)  # id(unit) -> params
-
-
-from fsdptk.errors import ShardConditionError  # noqa: E402 - re-exported (its old import path)
 
 
 def _as_conditions(shard_conditions: Any) -> list[ShardCondition]:
