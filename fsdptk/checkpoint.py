@@ -25,6 +25,7 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
+from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.dist import all_gather_object, is_rank0, raise_if_any, run_agreed
 from fsdptk._core.names import tie_groups
 from fsdptk._engine import bucket_size
@@ -140,12 +141,12 @@ def load_safetensors(
     device: torch.device | str | None = None,
     shard_on_read: bool | None = None,
     rename: Rename = None,
-    strict: bool = False,
+    strict: bool = True,
     cpu_offload: bool = False,
     bucket_bytes: int | None = None,
     progress: bool | None = None,
     init_buffers: Callable[[nn.Module], None] | None = None,
-) -> Any:
+) -> _IncompatibleKeys:
     """Load a safetensors checkpoint (HF layout) into a sharded or plain model.
 
     Call it on every rank after ``shard_model`` (the model may still be on ``meta``). Keys,
@@ -165,7 +166,9 @@ def load_safetensors(
             checked on every rank), else rank-0-read; agreed across ranks.
         rename: checkpoint name -> model name: a callable (returning ``None`` skips the key) or a
             Mapping (unmentioned keys keep their name). Two keys renamed to one name is an error.
-        strict: raise when keys are missing or unexpected (as ``load_state_dict``).
+        strict: raise when keys are missing or unexpected (as ``load_state_dict``; the default,
+            as for every fsdptk function that loads files). ``False``: load the keys both sides
+            have and return the others.
         cpu_offload: keep the loaded shards on CPU (FSDP2 CPU offload).
         bucket_bytes: full-tensor bytes per scatter bucket for rank-0-read (default: the engine's,
             16 MiB); bounds rank 0's memory beyond its shards.
@@ -176,8 +179,8 @@ def load_safetensors(
             as in :func:`fsdptk.load_from_full_model_state_dict`.
 
     Returns:
-        ``_IncompatibleKeys(missing_keys, unexpected_keys)`` in model names (as
-        ``load_from_full_model_state_dict``).
+        torch.nn.modules.module._IncompatibleKeys: ``missing_keys`` and ``unexpected_keys`` in
+        model names (as ``load_from_full_model_state_dict``; both empty with ``strict=True``).
 
     Raises:
         FileNotFoundError: no checkpoint at ``path`` (or a shard missing), on every rank.
@@ -186,7 +189,7 @@ def load_safetensors(
         ValueError: a rename collision, a shape mismatch, ``bucket_bytes`` not a positive int;
             non-persistent buffers on ``meta`` that no rule can compute (names them and the
             remedies), on every rank.
-        StateDictMismatchError: ``strict=True`` with missing or unexpected keys (a
+        StateDictMismatchError: ``strict=True`` (the default) with missing or unexpected keys (a
             ``RuntimeError`` with torch's message, carrying ``missing_keys`` and
             ``unexpected_keys``), on every rank before the model changes.
         TypeError: ``shard_on_read`` is not a bool or None.
@@ -198,7 +201,7 @@ def load_safetensors(
         >>> src = torch.nn.Linear(4, 2)
         >>> _ = save_safetensors(src, d)
         >>> dst = torch.nn.Linear(4, 2)
-        >>> load_safetensors(dst, d, strict=True)
+        >>> load_safetensors(dst, d)
         <All keys matched successfully>
         >>> torch.equal(dst.weight, src.weight)
         True

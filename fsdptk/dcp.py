@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from fsdptk import errors
+from fsdptk._core.calls import old_form
 from fsdptk._core.dist import all_gather_object, has_process_group, is_rank0, run_agreed
 from fsdptk._core.dist import world as _world
 from fsdptk._files.commit import dcp_backup, dcp_names, recover_dcp, swap_in_dcp
@@ -159,9 +160,8 @@ def _dist_kwargs() -> dict[str, Any]:
 def _check_order(fn: str, model: Any, path: Any, rest: str) -> None:
     """TypeError for the old argument order ``fn(path, model, ...)`` (or a non-module model)."""
     if isinstance(model, (str, os.PathLike)) and isinstance(path, nn.Module):
-        raise TypeError(f"{fn}() takes the model first: call {fn}(model, path{rest}) "
-                        f"instead of {fn}(path, model{rest}) (got path={str(model)!r} first and a "
-                        f"{type(path).__name__} second)")
+        raise old_form(fn, "takes the model first", f"model, path{rest}", f"path, model{rest}",
+                       f" (got path={str(model)!r} first and a {type(path).__name__} second)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}(model, path{rest}): model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(path, (str, os.PathLike)):

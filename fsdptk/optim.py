@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fsdptk import _engine
+from fsdptk._core.calls import renamed_keywords
 from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.compat import local_tensor
 from fsdptk._core.dist import agreed, check_comm_device, check_rank_zero, check_type, is_rank0
@@ -54,28 +55,29 @@ __all__ = [
 # gather
 
 
-def _check_args(model: Any, opt: Any) -> None:
+def _check_args(model: Any, opt: Any, name: str = "opt") -> None:
+    """TypeErrors naming the argument (``name``: ``opt`` in torchtune's names, else ``optimizer``)."""
     check_type(model, nn.Module, "model", "a torch.nn.Module")
-    check_type(opt, torch.optim.Optimizer, "opt", "a torch.optim.Optimizer")
+    check_type(opt, torch.optim.Optimizer, name, "a torch.optim.Optimizer")
 
 
-def _local_layout(model: nn.Module, opt: torch.optim.Optimizer, bucket_bytes: int | None
+def _local_layout(model: nn.Module, opt: torch.optim.Optimizer, bucket_bytes: int | None, name: str = "opt"
                   ) -> tuple[list[tuple[str, Any, Any]], list[dict[str, Any]], int, Exception | None]:
     """:func:`_gather_layout` and the bucket size, or this rank's error: no collective, the error
     is agreed in the engine's one metadata exchange (``_iter_state(..., failed=error)``)."""
     try:
-        _check_args(model, opt)
+        _check_args(model, opt, name)
         size = bucket_size(bucket_bytes)
-        entries, groups = _gather_layout(model, opt)
+        entries, groups = _gather_layout(model, opt, name)
     except Exception as e:  # noqa: BLE001 - raised on every rank by collect's exchange
         return [], [], 1, e
     return entries, groups, size, None
 
 
-def _gather_layout(model: nn.Module, opt: torch.optim.Optimizer
+def _gather_layout(model: nn.Module, opt: torch.optim.Optimizer, name: str = "opt"
                    ) -> tuple[list[tuple[str, Any, Any]], list[dict[str, Any]]]:
     """``[(fqn, key, live value), ...]`` in ``opt.state_dict()`` order, and the FQN param groups."""
-    _check_args(model, opt)
+    _check_args(model, opt, name)
     ours = optim_groups(model, opt)
     osd = opt.state_dict()
     pid_fqn = {pid: fqn for saved, group in zip(osd[PG], ours)
@@ -87,7 +89,8 @@ def _gather_layout(model: nn.Module, opt: torch.optim.Optimizer
     return entries, groups
 
 
-def get_optimizer_param_groups(model: nn.Module, opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+@renamed_keywords(opt="optimizer")
+def get_optimizer_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The optimizer's param groups with parameter FQNs in ``"params"`` (no communication).
 
     The ``"param_groups"`` part of :func:`get_full_optimizer_state_dict`, for checkpoint writers
@@ -95,13 +98,15 @@ def get_optimizer_param_groups(model: nn.Module, opt: torch.optim.Optimizer) -> 
 
     Args:
         model: the (sharded) model the optimizer's parameters belong to.
-        opt: the optimizer.
+        optimizer: the optimizer.
 
     Returns:
         list[dict]: one dict per group: its hyper-parameters (copies) and ``"params": [fqn, ...]``.
 
     Raises:
         ValueError: a parameter of the optimizer is not a parameter of the model.
+        TypeError: ``model`` or ``optimizer`` has the wrong type (named), or the optimizer is
+            passed as ``opt=`` (the old name; the message says how to call it).
 
     Example:
         >>> import torch
@@ -111,12 +116,13 @@ def get_optimizer_param_groups(model: nn.Module, opt: torch.optim.Optimizer) -> 
         >>> [(g["lr"], g["params"]) for g in get_optimizer_param_groups(model, opt)]
         [(0.1, ['weight']), (0.0, ['bias'])]
     """
-    return _gather_layout(model, opt)[1]
+    return _gather_layout(model, optimizer, "optimizer")[1]
 
 
+@renamed_keywords(opt="optimizer")
 def iter_full_optimizer_state(
     model: nn.Module,
-    opt: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer,
     *,
     bucket_bytes: int | None = None,
 ) -> Iterator[list[tuple[str, dict[str, Any]]]]:
@@ -127,12 +133,12 @@ def iter_full_optimizer_state(
     state of one parameter that straddles two buckets). State tensors (DTensors on any mesh, or
     plain tensors) are gathered with :func:`fsdptk._engine.collect` (point to point to rank 0, one
     replica per HSDP group); plain tensors (``step``) and python values are taken from rank 0.
-    Each parameter's state is yielded once, complete, in ``opt.state_dict()`` order; parameters
-    without state are not yielded. Pair it with :func:`get_optimizer_param_groups`.
+    Each parameter's state is yielded once, complete, in ``optimizer.state_dict()`` order;
+    parameters without state are not yielded. Pair it with :func:`get_optimizer_param_groups`.
 
     Args:
         model: the (sharded) model; the same structure on every rank.
-        opt: its optimizer.
+        optimizer: its optimizer.
         bucket_bytes: full-tensor bytes per gather bucket (``None``: the engine's default, 16 MiB).
 
     Returns:
@@ -143,7 +149,8 @@ def iter_full_optimizer_state(
     Raises:
         ValueError: on every rank, when the optimizer holds a parameter the model lacks, a state
             tensor is on ``meta`` or the ranks' states differ in keys, shapes or dtypes.
-        TypeError: on every rank, when ``model`` or ``opt`` has the wrong type (named).
+        TypeError: on every rank, when ``model`` or ``optimizer`` has the wrong type (named); at
+            the call, when the optimizer is passed as ``opt=`` (the old name).
         Exception: any rank's failure while gathering (or the caller's, passed in with
             ``iterator.throw(exc)``), on every rank, naming that rank.
 
@@ -156,7 +163,7 @@ def iter_full_optimizer_state(
         >>> [(fqn, sorted(st)) for bucket in iter_full_optimizer_state(model, opt) for fqn, st in bucket]
         [('weight', ['exp_avg', 'exp_avg_sq', 'step']), ('bias', ['exp_avg', 'exp_avg_sq', 'step'])]
     """
-    entries, _, size, error = _local_layout(model, opt, bucket_bytes)
+    entries, _, size, error = _local_layout(model, optimizer, bucket_bytes, "optimizer")
     yield from _iter_state(entries, size, failed=error)
 
 
@@ -274,12 +281,13 @@ def get_full_optimizer_state_dict(
 # load
 
 
+@renamed_keywords(opt="optimizer")
 def to_fqn_optimizer_state_dict(
     model: nn.Module,
     osd: Mapping[str, Any],
     *,
     param_names: Sequence[str] | None = None,
-    opt: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
     """Convert a plain single-process ``opt.state_dict()`` (integer ids) to the FQN layout.
 
@@ -288,9 +296,10 @@ def to_fqn_optimizer_state_dict(
     1. the groups' own ``"param_names"`` (torch adds them when an optimizer is built over
        ``model.named_parameters()``);
     2. ``param_names``: ``param_names[i]`` is the FQN of id ``i``;
-    3. ``opt``, when every saved group has as many ids as the same group of ``opt``: ids follow
-       ``opt``'s groups in order, which is torch's own ``Optimizer.load_state_dict`` rule (right
-       when ``opt`` is built by the same code as the saved optimizer, e.g. decay / no-decay groups);
+    3. ``optimizer``, when every saved group has as many ids as the same group of ``optimizer``:
+       ids follow its groups in order, which is torch's own ``Optimizer.load_state_dict`` rule
+       (right when ``optimizer`` is built by the same code as the saved one, e.g. decay / no-decay
+       groups);
     4. ``model.named_parameters()`` order: id ``i`` is the ``i``-th parameter (right for an
        optimizer built as ``Opt(model.parameters())``).
 
@@ -302,7 +311,7 @@ def to_fqn_optimizer_state_dict(
         osd: ``opt.state_dict()`` of a plain optimizer, or an FQN-keyed state dict.
         param_names: the FQN of each integer id, for an optimizer built over a filtered or
             reordered parameter list (e.g. only the trainable parameters).
-        opt: the optimizer the state is meant for (rule 3).
+        optimizer: the optimizer the state is meant for (rule 3).
 
     Returns:
         dict: ``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}``.
@@ -310,6 +319,8 @@ def to_fqn_optimizer_state_dict(
     Raises:
         ValueError: malformed input, mixed id and FQN keys, or an id with no parameter (names the
             ids and the number of names available).
+        TypeError: the optimizer is passed as ``opt=`` (the old name; the message says how to call
+            it).
 
     Example:
         >>> import torch
@@ -319,7 +330,8 @@ def to_fqn_optimizer_state_dict(
         >>> to_fqn_optimizer_state_dict(model, opt.state_dict())["param_groups"][0]["params"]
         ['weight', 'bias']
     """
-    return to_fqn_layout(model, osd, param_names, optim_groups(model, opt) if opt is not None else None)
+    return to_fqn_layout(model, osd, param_names,
+                         optim_groups(model, optimizer) if optimizer is not None else None)
 
 
 def _reader_view(model: nn.Module, ours: list[list[tuple[str, torch.Tensor]]], full_sd: Mapping[str, Any],

@@ -298,7 +298,7 @@ def _make_case(spec, seed, kind, assign, frozen, lrs):
             p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
     opt = _OPTIMIZERS[kind](_groups_by_fqn(model, assign, lrs, reverse=False))
     opt.step()
-    return to_fqn_optimizer_state_dict(model, opt.state_dict(), opt=opt)
+    return to_fqn_optimizer_state_dict(model, opt.state_dict(), optimizer=opt)
 
 
 def _round_trip(spec, seed, names, layout, kind, assign, frozen, lrs, osd, bcast, bucket):
