@@ -18,7 +18,7 @@ rename collision) is agreed before any tensor moves, so all ranks raise the same
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -29,7 +29,7 @@ from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.dist import all_gather_object, is_rank0, raise_if_any, run_agreed
 from fsdptk._core.names import tie_groups
 from fsdptk._engine import bucket_size
-from fsdptk._engine.sources import SliceSource
+from fsdptk._engine.sources import RenamedSource
 from fsdptk._files.common import Rename, infer_device, progress_bar, rename_keys, trim_heap
 from fsdptk._files.safetensors_io import (
     INDEX_SUFFIX,
@@ -60,47 +60,18 @@ PathLike = str | os.PathLike[str]
 
 # ----------------------------------------------------------------------------------------------
 # loading
-class _ModelView(Mapping[str, torch.Tensor]):
-    """The checkpoint under model names (renamed), counting the bytes of each key on first read.
+def _model_view(ckpt: SafetensorsCheckpoint, names: dict[str, str], bar: Any) -> RenamedSource:
+    """The checkpoint under model names (``names``: model name -> file key), read shard-on-read
+    (the engine's :class:`~fsdptk._engine.sources.RenamedSource` over the reader's slices),
+    counting each key's bytes on the progress bar on first read; read-only, nothing is released."""
+    seen: set[str] = set()
 
-    An engine source (:mod:`fsdptk._engine.sources`): metadata from the headers, boxes read
-    shard-on-read through the safetensors reader's :class:`SliceSource`; nothing is released.
-    """
+    def count(key: str) -> None:
+        if key not in seen:
+            seen.add(key)
+            bar.update(ckpt.nbytes(names[key]))
 
-    def __init__(self, ckpt: SafetensorsCheckpoint, names: dict[str, str], bar: Any) -> None:
-        self._ckpt, self._names, self._bar = ckpt, names, bar
-        self._slices = SliceSource(ckpt)
-        self._seen: set[str] = set()
-
-    def _count(self, key: str) -> None:
-        if key not in self._seen:
-            self._seen.add(key)
-            self._bar.update(self._ckpt.nbytes(self._names[key]))
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        out = self._ckpt[self._names[key]]
-        self._count(key)
-        return out
-
-    def meta(self, key: str) -> Any:
-        return self._slices.meta(self._names[key])
-
-    def read(self, key: str, box: Any = None) -> torch.Tensor:
-        out = self._slices.read(self._names[key], box)
-        self._count(key)
-        return out
-
-    def release(self, key: str) -> None:
-        """The checkpoint is read-only: nothing to release."""
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._names
+    return RenamedSource(ckpt, names, on_read=count)
 
 
 def _open_agreed(path: Path, shard_on_read: bool | None) -> tuple[SafetensorsCheckpoint | None, bool]:
@@ -217,7 +188,7 @@ def load_safetensors(
                                                what="checkpoint key"), on=ckpt is not None)
         total = sum(ckpt.nbytes(names[k]) for k in names) if ckpt is not None else 0
         with progress_bar(total, f"load {path.name}", progress) as bar:
-            view: Mapping[str, Any] = _ModelView(ckpt, names, bar) if ckpt is not None else {}
+            view: Mapping[str, Any] = _model_view(ckpt, names, bar) if ckpt is not None else {}
             return load_from_full_model_state_dict(
                 model, view, infer_device(model) if device is None else torch.device(device),
                 strict=strict, cpu_offload=cpu_offload, release_sd=False,

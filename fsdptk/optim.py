@@ -29,12 +29,12 @@ from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.compat import local_tensor
 from fsdptk._core.dist import agreed, check_comm_device, check_rank_zero, check_type, is_rank0
 from fsdptk._engine import bucket_size, check_source, layout_of, merge_checks
+from fsdptk._engine.sources import NestedSource
 from fsdptk._plans.optim_layout import (
     PARAMS,
     PG,
     STATE,
     LoadView,
-    StateSource,
     local_osd,
     optim_groups,
     param_fqns,
@@ -336,8 +336,10 @@ def to_fqn_optimizer_state_dict(
 
 def _reader_view(model: nn.Module, ours: list[list[tuple[str, torch.Tensor]]], full_sd: Mapping[str, Any],
                  param_names: Sequence[str] | None, broadcast_from_rank0: bool,
-                 ) -> tuple[LoadView, Mapping[str, Any], Any]:
-    """A reading rank's view of ``full_sd``, its saved state, and what it contributes to the agreement.
+                 ) -> tuple[LoadView, NestedSource, Any]:
+    """A reading rank's view of ``full_sd``, its saved state tensors as the engine's source (built
+    once, here: the per-parameter dicts are the caller's, released by the load), and what it
+    contributes to the agreement.
 
     The contribution (the ``extra`` of the engine's one metadata exchange): rank 0's whole view when
     broadcasting, else a fingerprint of this rank's view; with it the engine's verdict on each
@@ -348,8 +350,9 @@ def _reader_view(model: nn.Module, ours: list[list[tuple[str, torch.Tensor]]], f
     params = {fqn: p for group in ours for fqn, p in group}
     layouts: dict[str, Any] = {}
     entries = [(name, layouts.setdefault(fqn, layout_of(params[fqn]))) for name, fqn, _ in view.tensors]
-    checked = check_source(entries, StateSource(saved, view.tensors), False)
-    return view, saved, ((view, checked) if broadcast_from_rank0 else (view.digest(), view.problems, checked))
+    source = NestedSource(saved, view.tensors)
+    checked = check_source(entries, source, False)
+    return view, source, ((view, checked) if broadcast_from_rank0 else (view.digest(), view.problems, checked))
 
 
 def _agree_view(view: LoadView | None, extras: list[Any], broadcast_from_rank0: bool,
@@ -500,8 +503,8 @@ def load_from_full_optimizer_state_dict(
         nbytes = bucket_size(bucket_bytes)
         ours = optim_groups(model, opt)
         params = {fqn: p for group in ours for fqn, p in group}
-        view, saved, mine = (_reader_view(model, ours, full_sd, param_names, broadcast_from_rank0) if reads
-                             else (None, {}, None))
+        view, source, mine = (_reader_view(model, ours, full_sd, param_names, broadcast_from_rank0) if reads
+                              else (None, NestedSource({}, []), None))  # a rank that reads nothing
         shapes = {fqn: torch.empty(p.shape, dtype=p.dtype, device="meta") for fqn, p in params.items()}
     except Exception as e:  # noqa: BLE001 - agreed by the engine's exchange just below
         error, params, shapes, mine = e, {}, {}, None
@@ -515,7 +518,6 @@ def load_from_full_optimizer_state_dict(
     if strict:
         _check_strict(view, param_fqns(model)[1])
     plan = _state_plan(plan, view, verdicts, broadcast_from_rank0)
-    source = StateSource(saved, view.tensors)  # per-parameter dicts are the caller's (release)
     # validation is over on every rank: from here on state moves (agreed per bucket by the engine)
     local = dict(_engine.distribute(plan, source, device=_state_device(ours, dev), release=release_sd,
                                     bucket_bytes=nbytes))

@@ -28,7 +28,7 @@ from fsdptk._core.dist import (
 from fsdptk._core.dist import world as _world
 from fsdptk._core.names import tensor_groups
 from fsdptk._engine import TensorMeta, bucket_size
-from fsdptk._engine.sources import as_source
+from fsdptk._engine.sources import RenamedSource, aliased
 from fsdptk.buffers import BUFFER_INIT_HOOKS, BufferInit
 from fsdptk.errors import StateDictMismatchError
 
@@ -46,84 +46,6 @@ def _tensor_groups(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], di
     targets = [(keys[0], t) for t, keys in groups]
     aliases = {alias: keys[0] for _, keys in groups for alias in keys[1:]}
     return targets, aliases
-
-
-class _AliasedSource(Mapping[str, Any]):
-    """The caller's mapping seen through tied-parameter aliases: a tied group is one key.
-
-    It is an engine source (metadata, read a box, release) over the caller's mapping adapted by
-    :func:`fsdptk._engine.sources.as_source`.
-
-    A tied group (``embed.weight`` / ``head.weight``) is read from its canonical key, or from any
-    alias when the checkpoint stores only that one; alias keys are not reported as unexpected and
-    are released together with the canonical key.
-    """
-
-    def __init__(self, source: Mapping[str, Any], aliases: dict[str, str]) -> None:
-        self._src = source
-        self._aliases = aliases
-        self._group: dict[str, list[str]] = {}
-        for alias, canon in aliases.items():
-            self._group.setdefault(canon, [canon]).append(alias)
-        self._inner = as_source(source)
-
-    def _resolve(self, key: str) -> str:
-        for k in self._group.get(key, [key]):
-            if k in self._src:
-                return k
-        return key
-
-    def __getitem__(self, key: str) -> Any:
-        return self._src[self._resolve(key)]
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self._resolve(key) in self._src
-
-    def __iter__(self) -> Iterator[str]:
-        for k in self._src:
-            canon = self._aliases.get(k)
-            if canon is None:
-                yield k
-            elif canon not in self._src and self._resolve(canon) == k:
-                yield canon  # the checkpoint stores only an alias: it stands for the group
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __delitem__(self, key: str) -> None:
-        """Release ``key`` (and its tied aliases): see :func:`_release_entry`."""
-        for k in self._group.get(key, [key]):
-            if k in self._src:
-                _release_entry(self._src, k)
-
-    # the engine's source protocol (fsdptk._engine.sources): read through the caller's source
-    def meta(self, key: str) -> TensorMeta:
-        """Shape and dtype of ``key`` (through its alias when only that one is stored)."""
-        return self._inner.meta(self._resolve(key))
-
-    def read(self, key: str, box: Any = None) -> torch.Tensor:
-        """``key``'s full tensor, or its piece at ``box`` (read shard-on-read when the source can)."""
-        return self._inner.read(self._resolve(key), box)
-
-    def release(self, key: str) -> None:
-        """Release ``key`` and its tied aliases (``del``)."""
-        del self[key]
-
-
-def _release_entry(source: Any, key: str) -> None:
-    """torchtune's ``release_sd`` contract: free the entry's memory but keep its key.
-
-    The value becomes a ``meta`` tensor of the same shape and dtype (no storage), so the caller's
-    dict keeps every key it had (torchtune's LoRA recipe tests ``not state_dict`` afterwards) while
-    the full tensor can be freed. A mapping that cannot be assigned to is left as it is.
-    """
-    value = source[key]
-    if not isinstance(value, torch.Tensor) or value.is_meta:
-        return
-    try:
-        source[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
-    except (TypeError, NotImplementedError, AttributeError):
-        pass
 
 
 def _meta_nonpersistent(model: nn.Module) -> dict[str, list[str]]:
@@ -337,10 +259,10 @@ def load_from_full_model_state_dict(
         dev = torch.device(device)
         nbytes = bucket_size(bucket_bytes)
         targets, aliases = _tensor_groups(model)
-        source = _AliasedSource({} if full_sd is None else full_sd, aliases)
+        source = aliased({} if full_sd is None else full_sd, aliases)
         buffers_local = _buffer_local(model, init_buffers)
     except Exception as e:  # noqa: BLE001 - agreed by the exchange just below
-        error, targets, source, buffers_local = e, [], _AliasedSource({}, {}), ({}, None)
+        error, targets, source, buffers_local = e, [], RenamedSource({}, {}), ({}, None)
         dev, nbytes = torch.device("cpu"), 1
     # ONE object exchange before data moves: this rank's argument error (if any) and the buffers'
     # views travel with the metadata
@@ -376,7 +298,7 @@ def load_from_full_model_state_dict(
     if release_sd and broadcast_from_rank0 and not is_rank0():
         for fqn in plan.keys:  # never read here, but released like rank 0's (same contract)
             if fqn in source:
-                del source[fqn]
+                source.release(fqn)
     _assign_buffers(model, sent)
     _buffers._assign(model, recomputed, dev)
     _buffers._move_real_nonpersistent(model, dev)

@@ -635,12 +635,11 @@ def test_state_held_in_plain_dicts_is_known_to_the_engine_as_held():
     dim-0 shards in one bucket; state behind another Mapping is read bucket by bucket."""
     from types import MappingProxyType
 
-    from fsdptk._engine.sources import as_source
-    from fsdptk._plans.optim_layout import StateSource
+    from fsdptk._engine.sources import NestedSource
 
     t = torch.ones(4, 2)
     rows = [("state.w.exp_avg", "w", "exp_avg")]
-    assert as_source(StateSource({"w": {"exp_avg": t}}, rows)).meta("state.w.exp_avg").held_on == "cpu"
+    assert NestedSource({"w": {"exp_avg": t}}, rows).meta("state.w.exp_avg").held_on == "cpu"
     for state in ({"w": MappingProxyType({"exp_avg": t})}, MappingProxyType({"w": {"exp_avg": t}}),
                   {"w": {"exp_avg": t.t()}}):  # not a plain dict, or not contiguous
-        assert as_source(StateSource(state, rows)).meta("state.w.exp_avg").held_on is None
+        assert NestedSource(state, rows).meta("state.w.exp_avg").held_on is None
