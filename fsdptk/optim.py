@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from fsdptk._core.calls import renamed_keywords
 from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.compat import local_tensor
 from fsdptk._core.dist import agreed, check_comm_device, check_rank_zero, check_type, is_rank0
-from fsdptk._engine import bucket_size, check_source, layout_of, merge_checks
+from fsdptk._engine import TensorMeta, bucket_size, check_source, layout_of, merge_checks
 from fsdptk._engine.sources import NestedSource
 from fsdptk._plans.optim_layout import (
     PARAMS,
@@ -50,6 +50,9 @@ __all__ = [
     "load_from_full_optimizer_state_dict",
     "to_fqn_optimizer_state_dict",
 ]
+
+# check_source's verdict: (problems, missing, unexpected, metas), merged by merge_checks
+Verdict = tuple[list[tuple[str, str]], list[str], list[str], dict[str, TensorMeta]]
 
 # ---------------------------------------------------------------------------------------------
 # gather
@@ -334,9 +337,19 @@ def to_fqn_optimizer_state_dict(
                          optim_groups(model, optimizer) if optimizer is not None else None)
 
 
+class ReaderView(NamedTuple):
+    """What a rank that reads ``full_sd`` contributes to the optimizer load's one metadata
+    exchange (the ``extra`` of :func:`fsdptk._engine.agree`; ``None`` from a rank that reads nothing)."""
+
+    view: LoadView | None  # the whole view: rank 0's when broadcasting, else not sent
+    digest: str  # fingerprint of the view (ranks reading their own copy compare it)
+    problems: list[str]  # what is wrong with the saved state, by key
+    checked: Verdict  # the engine's verdict on the state tensors (check_source)
+
+
 def _reader_view(model: nn.Module, ours: list[list[tuple[str, torch.Tensor]]], full_sd: Mapping[str, Any],
                  param_names: Sequence[str] | None, broadcast_from_rank0: bool,
-                 ) -> tuple[LoadView, NestedSource, Any]:
+                 ) -> tuple[LoadView, NestedSource, ReaderView]:
     """A reading rank's view of ``full_sd``, its saved state tensors as the engine's source (built
     once, here: the per-parameter dicts are the caller's, released by the load), and what it
     contributes to the agreement.
@@ -352,26 +365,30 @@ def _reader_view(model: nn.Module, ours: list[list[tuple[str, torch.Tensor]]], f
     entries = [(name, layouts.setdefault(fqn, layout_of(params[fqn]))) for name, fqn, _ in view.tensors]
     source = NestedSource(saved, view.tensors)
     checked = check_source(entries, source, False)
-    return view, source, ((view, checked) if broadcast_from_rank0 else (view.digest(), view.problems, checked))
+    return view, source, ReaderView(view if broadcast_from_rank0 else None, view.digest(), list(view.problems),
+                                    checked)
 
 
-def _agree_view(view: LoadView | None, extras: list[Any], broadcast_from_rank0: bool,
-                ) -> tuple[LoadView, list[Any]]:
+def _agree_view(view: LoadView | None, extras: list[ReaderView | None], broadcast_from_rank0: bool,
+                ) -> tuple[LoadView, list[Verdict | None]]:
     """Every rank's view (rank 0's when broadcasting) or the same error, from the agreed extras.
 
     Returns the view and the engine's verdicts on the state tensors: rank 0's alone when
     broadcasting, else one per rank.
     """
+    verdicts: list[Verdict | None]
     if broadcast_from_rank0:
-        view, checked = extras[0]
-        problems, verdicts = list(view.problems), [checked]
-    else:
-        problems = list(dict.fromkeys(p for _, ps, _ in extras for p in ps))
-        differ = [r for r, (d, _, _) in enumerate(extras) if d != extras[0][0]]
+        rank0 = extras[0]
+        assert rank0 is not None and rank0.view is not None  # rank 0 reads
+        view, problems, verdicts = rank0.view, list(rank0.problems), [rank0.checked]
+    else:  # every rank reads its own copy
+        mine = [e for e in extras if e is not None]
+        problems = list(dict.fromkeys(p for e in mine for p in e.problems))
+        differ = [r for r, e in enumerate(mine) if e.digest != mine[0].digest]
         if differ and not problems:
             problems.append(f"the full optimizer states differ between rank 0 and ranks {differ}; pass "
                             "broadcast_from_rank0=True to read rank 0's only")
-        verdicts = [checked for _, _, checked in extras]
+        verdicts = [e.checked for e in mine]
     if problems:
         shown = "\n  - ".join(problems[:20])
         raise ValueError(f"cannot load the optimizer state: {len(problems)} problem(s):\n  - {shown}")
