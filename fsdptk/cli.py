@@ -69,47 +69,16 @@ def _regular(path: Path) -> int:
     return st.st_size
 
 
-def _header_entry(key: str, meta: Any, data_len: int) -> TensorInfo:
-    """One validated header entry (ValueError naming what is wrong)."""
-    if not isinstance(meta, dict):
-        raise ValueError(f"entry {key!r} is a JSON {type(meta).__name__}, not an object")
-    code, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
-    if not isinstance(code, str):
-        raise ValueError(f"entry {key!r} has no dtype")
-    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-        raise ValueError(f"entry {key!r} has shape {shape!r}, not a list of non-negative ints")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]):
-        raise ValueError(f"entry {key!r} has data_offsets {offsets!r}, not [begin, end]")
-    nbytes = offsets[1] - offsets[0]
-    if offsets[1] > data_len:
-        raise ValueError(f"entry {key!r} ends at data offset {offsets[1]} but the file holds only "
-                         f"{data_len} data bytes (truncated?)")
-    from fsdptk._files.safetensors_io import _ST_TO_DTYPE  # the reader's dtype table
-
-    dtype = _ST_TO_DTYPE.get(code)
-    if dtype is not None and nbytes != math.prod(shape) * dtype.itemsize:
-        raise ValueError(f"entry {key!r}: {nbytes} data bytes for shape {shape} of {code} "
-                         f"({math.prod(shape) * dtype.itemsize} expected)")
-    return TensorInfo(key=key, dtype=_dtype_name(dtype) if dtype is not None else code, shape=shape,
-                      nbytes=nbytes)
-
-
 def _inspect_safetensors(files: Sequence[Path]) -> list[TensorInfo]:
     """Read only the JSON headers of safetensors files, checking every entry against the file size."""
+    from fsdptk._files.safetensors_io import read_header
+
     out = []
     for f in files:
         size = _regular(f)
         try:
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                if size < 8 or n <= 0 or n > min(100 * 2**20, size - 8):
-                    raise ValueError(f"header length {n} does not fit in a {size}-byte file")
-                header = json.loads(fh.read(n))
-            if not isinstance(header, dict):
-                raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
-            data_len = size - 8 - n
-            out += [_header_entry(k, m, data_len) for k, m in header.items() if k != "__metadata__"]
+            out += [TensorInfo(key=e.key, dtype=_dtype_name(e.dtype) if e.dtype is not None else e.code,
+                               shape=e.shape, nbytes=e.nbytes) for e in read_header(f, size)]
         except (OSError, ValueError, RecursionError) as e:
             what = "nested too deeply" if isinstance(e, RecursionError) else str(e)
             raise errors.CLIError(f"{f} is not a readable safetensors file ({what})") from e
@@ -172,10 +141,10 @@ def _safetensors_files(path: Path) -> list[Path]:
     """The files a safetensors checkpoint path reads, as the loader resolves them (the single
     ``model.safetensors`` before an index; index entries must be plain names)."""
     from fsdptk._files.paths import plain_name
-    from fsdptk._files.safetensors_io import _resolve
+    from fsdptk._files.safetensors_io import resolve_files
 
     try:
-        index, files = _resolve(path)
+        index, files = resolve_files(path)
         if index is None:
             return files
         weight_map = json.loads(index.read_text())["weight_map"]
