@@ -214,10 +214,10 @@ class BaseView(Mapping[str, Any]):
         return self._src[self._resolve(key)]
 
     def __setitem__(self, key: str, value: Any) -> None:
-        self._src[self._resolve(key)] = value  # type: ignore[index]
+        self._src[self._resolve(key)] = value  # type: ignore[index]  # the loaders write (release_sd) only into a MutableMapping
 
     def __delitem__(self, key: str) -> None:
-        del self._src[self._resolve(key)]  # type: ignore[attr-defined]
+        del self._src[self._resolve(key)]  # type: ignore[attr-defined]  # as above: a MutableMapping
 
     def __contains__(self, key: object) -> bool:
         return isinstance(key, str) and self._resolve(key) in self._src

@@ -164,7 +164,7 @@ def params_on_meta() -> Iterator[None]:
         return new
 
     # torch types the hook as returning None; a returned Parameter replaces the registered one
-    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]
+    handle = nn.modules.module.register_module_parameter_registration_hook(to_meta)  # type: ignore[arg-type]  # returns a Parameter
     try:
         yield
     finally:

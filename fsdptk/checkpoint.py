@@ -18,7 +18,7 @@ rename collision) is agreed before any tensor moves, so all ranks raise the same
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -26,24 +26,21 @@ from typing import Any, Literal, cast
 import torch
 from torch import nn
 
+from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.dist import all_gather_object, is_rank0, raise_if_any, run_agreed
 from fsdptk._core.names import tie_groups
 from fsdptk._engine import bucket_size
-from fsdptk._engine.sources import SliceSource
+from fsdptk._engine.sources import RenamedSource
 from fsdptk._files.common import Rename, infer_device, progress_bar, rename_keys, trim_heap
 from fsdptk._files.hf_config import stage_hf_config
-from fsdptk._files.lock import CheckpointLockedError
 from fsdptk._files.pending import wait_for_pending
 from fsdptk._files.safetensors_io import (
     INDEX_SUFFIX,
-    CheckpointError,
     SafetensorsCheckpoint,
     parse_size,
 )
 from fsdptk._files.safetensors_writer import ShardedWriter, plan_shards
 from fsdptk.dcp import (
-    convert_dcp_to_safetensors,
-    convert_safetensors_to_dcp,
     dcp_to_safetensors,
     load_dcp,
     safetensors_to_dcp,
@@ -51,8 +48,6 @@ from fsdptk.dcp import (
 )
 
 __all__ = [
-    "CheckpointError",
-    "CheckpointLockedError",
     "SafetensorsCheckpoint",
     "load_safetensors",
     "save_safetensors",
@@ -60,8 +55,6 @@ __all__ = [
     "load_dcp",
     "dcp_to_safetensors",
     "safetensors_to_dcp",
-    "convert_dcp_to_safetensors",
-    "convert_safetensors_to_dcp",
     "parse_size",
 ]
 
@@ -70,47 +63,18 @@ PathLike = str | os.PathLike[str]
 
 # ----------------------------------------------------------------------------------------------
 # loading
-class _ModelView(Mapping[str, torch.Tensor]):
-    """The checkpoint under model names (renamed), counting the bytes of each key on first read.
+def _model_view(ckpt: SafetensorsCheckpoint, names: dict[str, str], bar: Any) -> RenamedSource:
+    """The checkpoint under model names (``names``: model name -> file key), read shard-on-read
+    (the engine's :class:`~fsdptk._engine.sources.RenamedSource` over the reader's slices),
+    counting each key's bytes on the progress bar on first read; read-only, nothing is released."""
+    seen: set[str] = set()
 
-    An engine source (:mod:`fsdptk._engine.sources`): metadata from the headers, boxes read
-    shard-on-read through the safetensors reader's :class:`SliceSource`; nothing is released.
-    """
+    def count(key: str) -> None:
+        if key not in seen:
+            seen.add(key)
+            bar.update(ckpt.nbytes(names[key]))
 
-    def __init__(self, ckpt: SafetensorsCheckpoint, names: dict[str, str], bar: Any) -> None:
-        self._ckpt, self._names, self._bar = ckpt, names, bar
-        self._slices = SliceSource(ckpt)
-        self._seen: set[str] = set()
-
-    def _count(self, key: str) -> None:
-        if key not in self._seen:
-            self._seen.add(key)
-            self._bar.update(self._ckpt.nbytes(self._names[key]))
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        out = self._ckpt[self._names[key]]
-        self._count(key)
-        return out
-
-    def meta(self, key: str) -> Any:
-        return self._slices.meta(self._names[key])
-
-    def read(self, key: str, box: Any = None) -> torch.Tensor:
-        out = self._slices.read(self._names[key], box)
-        self._count(key)
-        return out
-
-    def release(self, key: str) -> None:
-        """The checkpoint is read-only: nothing to release."""
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._names
+    return RenamedSource(ckpt, names, on_read=count)
 
 
 def _open_agreed(path: Path, shard_on_read: bool | None) -> tuple[SafetensorsCheckpoint | None, bool]:
@@ -151,12 +115,12 @@ def load_safetensors(
     device: torch.device | str | None = None,
     shard_on_read: bool | None = None,
     rename: Rename = None,
-    strict: bool = False,
+    strict: bool = True,
     cpu_offload: bool = False,
     bucket_bytes: int | None = None,
     progress: bool | None = None,
     init_buffers: Callable[[nn.Module], None] | None = None,
-) -> Any:
+) -> _IncompatibleKeys:
     """Load a safetensors checkpoint (HF layout) into a sharded or plain model.
 
     Call it on every rank after ``shard_model`` (the model may still be on ``meta``). Keys,
@@ -176,7 +140,9 @@ def load_safetensors(
             checked on every rank), else rank-0-read; agreed across ranks.
         rename: checkpoint name -> model name: a callable (returning ``None`` skips the key) or a
             Mapping (unmentioned keys keep their name). Two keys renamed to one name is an error.
-        strict: raise when keys are missing or unexpected (as ``load_state_dict``).
+        strict: raise when keys are missing or unexpected (as ``load_state_dict``; the default,
+            as for every fsdptk function that loads files). ``False``: load the keys both sides
+            have and return the others.
         cpu_offload: keep the loaded shards on CPU (FSDP2 CPU offload).
         bucket_bytes: full-tensor bytes per scatter bucket for rank-0-read (default: the engine's,
             16 MiB); bounds rank 0's memory beyond its shards.
@@ -187,8 +153,8 @@ def load_safetensors(
             as in :func:`fsdptk.load_from_full_model_state_dict`.
 
     Returns:
-        ``_IncompatibleKeys(missing_keys, unexpected_keys)`` in model names (as
-        ``load_from_full_model_state_dict``).
+        torch.nn.modules.module._IncompatibleKeys: ``missing_keys`` and ``unexpected_keys`` in
+        model names (as ``load_from_full_model_state_dict``; both empty with ``strict=True``).
 
     Raises:
         FileNotFoundError: no checkpoint at ``path`` (or a shard missing), on every rank.
@@ -197,7 +163,7 @@ def load_safetensors(
         ValueError: a rename collision, a shape mismatch, ``bucket_bytes`` not a positive int;
             non-persistent buffers on ``meta`` that no rule can compute (names them and the
             remedies), on every rank.
-        StateDictMismatchError: ``strict=True`` with missing or unexpected keys (a
+        StateDictMismatchError: ``strict=True`` (the default) with missing or unexpected keys (a
             ``RuntimeError`` with torch's message, carrying ``missing_keys`` and
             ``unexpected_keys``), on every rank before the model changes.
         TypeError: ``shard_on_read`` is not a bool or None.
@@ -209,7 +175,7 @@ def load_safetensors(
         >>> src = torch.nn.Linear(4, 2)
         >>> _ = save_safetensors(src, d)
         >>> dst = torch.nn.Linear(4, 2)
-        >>> load_safetensors(dst, d, strict=True)
+        >>> load_safetensors(dst, d)
         <All keys matched successfully>
         >>> torch.equal(dst.weight, src.weight)
         True
@@ -226,7 +192,7 @@ def load_safetensors(
                                                what="checkpoint key"), on=ckpt is not None)
         total = sum(ckpt.nbytes(names[k]) for k in names) if ckpt is not None else 0
         with progress_bar(total, f"load {path.name}", progress) as bar:
-            view: Mapping[str, Any] = _ModelView(ckpt, names, bar) if ckpt is not None else {}
+            view: Mapping[str, Any] = _model_view(ckpt, names, bar) if ckpt is not None else {}
             return load_from_full_model_state_dict(
                 model, view, infer_device(model) if device is None else torch.device(device),
                 strict=strict, cpu_offload=cpu_offload, release_sd=False,
@@ -261,8 +227,8 @@ def _stream(buckets: Generator[list[tuple[str, torch.Tensor]], None, None], writ
             out_name: dict[str, str], dtypes: dict[str, torch.dtype], bar: Any
             ) -> tuple[BaseException | None, Path | None]:
     """Write every gathered tensor (rank 0) and commit. A write error is thrown into ``buckets``
-    (the engine's ``collect``): its next status agreement raises it on every rank at once."""
-    error: BaseException | None = None
+    (the engine's ``collect``): its next status agreement raises it on every rank at once. A
+    commit error is returned (agreed by the caller)."""
     with bar:
         for bucket in buckets:
             for key, full in bucket:  # rank 0 only; the other ranks get empty buckets
@@ -276,14 +242,12 @@ def _stream(buckets: Generator[list[tuple[str, torch.Tensor]], None, None], writ
                 del bucket
                 trim_heap()
     if writer is None:
-        return error, None
+        return None, None
     try:
-        if error is None:
-            return None, writer.commit()
-    except Exception as e:  # noqa: BLE001
-        error = e
-    writer.abort()
-    return error, None
+        return None, writer.commit()
+    except Exception as e:  # noqa: BLE001 - agreed by the caller (raise_if_any)
+        writer.abort()
+        return e, None
 
 
 def save_safetensors(

@@ -38,13 +38,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "build_parser", "CLIError", "inspect_checkpoint", "TensorInfo"]
+from fsdptk import errors
+
+__all__ = ["main", "build_parser", "inspect_checkpoint", "TensorInfo"]
 
 # the demo script, for a source checkout (it is not part of the installed package)
 _REPO_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_llama.py"
-
-
-from fsdptk.errors import CLIError  # noqa: E402 - re-exported (its old import path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,56 +63,25 @@ def _regular(path: Path) -> int:
     try:
         st = os.stat(path)
     except OSError as e:
-        raise CLIError(f"{path}: {e.strerror or e}") from e
+        raise errors.CLIError(f"{path}: {e.strerror or e}") from e
     if not stat.S_ISREG(st.st_mode):
-        raise CLIError(f"{path} is a {file_kind(st.st_mode)}, not a regular file; refusing to open it")
+        raise errors.CLIError(f"{path} is a {file_kind(st.st_mode)}, not a regular file; refusing to open it")
     return st.st_size
-
-
-def _header_entry(key: str, meta: Any, data_len: int) -> TensorInfo:
-    """One validated header entry (ValueError naming what is wrong)."""
-    if not isinstance(meta, dict):
-        raise ValueError(f"entry {key!r} is a JSON {type(meta).__name__}, not an object")
-    code, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
-    if not isinstance(code, str):
-        raise ValueError(f"entry {key!r} has no dtype")
-    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
-        raise ValueError(f"entry {key!r} has shape {shape!r}, not a list of non-negative ints")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
-            and 0 <= offsets[0] <= offsets[1]):
-        raise ValueError(f"entry {key!r} has data_offsets {offsets!r}, not [begin, end]")
-    nbytes = offsets[1] - offsets[0]
-    if offsets[1] > data_len:
-        raise ValueError(f"entry {key!r} ends at data offset {offsets[1]} but the file holds only "
-                         f"{data_len} data bytes (truncated?)")
-    from fsdptk._files.safetensors_io import _ST_TO_DTYPE  # the reader's dtype table
-
-    dtype = _ST_TO_DTYPE.get(code)
-    if dtype is not None and nbytes != math.prod(shape) * dtype.itemsize:
-        raise ValueError(f"entry {key!r}: {nbytes} data bytes for shape {shape} of {code} "
-                         f"({math.prod(shape) * dtype.itemsize} expected)")
-    return TensorInfo(key=key, dtype=_dtype_name(dtype) if dtype is not None else code, shape=shape,
-                      nbytes=nbytes)
 
 
 def _inspect_safetensors(files: Sequence[Path]) -> list[TensorInfo]:
     """Read only the JSON headers of safetensors files, checking every entry against the file size."""
+    from fsdptk._files.safetensors_io import read_header
+
     out = []
     for f in files:
         size = _regular(f)
         try:
-            with open(f, "rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                if size < 8 or n <= 0 or n > min(100 * 2**20, size - 8):
-                    raise ValueError(f"header length {n} does not fit in a {size}-byte file")
-                header = json.loads(fh.read(n))
-            if not isinstance(header, dict):
-                raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
-            data_len = size - 8 - n
-            out += [_header_entry(k, m, data_len) for k, m in header.items() if k != "__metadata__"]
+            out += [TensorInfo(key=e.key, dtype=_dtype_name(e.dtype) if e.dtype is not None else e.code,
+                               shape=e.shape, nbytes=e.nbytes) for e in read_header(f, size)]
         except (OSError, ValueError, RecursionError) as e:
             what = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-            raise CLIError(f"{f} is not a readable safetensors file ({what})") from e
+            raise errors.CLIError(f"{f} is not a readable safetensors file ({what})") from e
     return out
 
 
@@ -125,7 +93,7 @@ def _inspect_dcp(directory: Path) -> list[TensorInfo]:
     try:
         meta = safe_reader(directory).read_metadata()
     except (OSError, ValueError) as e:  # CheckpointError: unsafe, corrupt, or a missing data file
-        raise CLIError(f"{directory}/.metadata is not readable DCP metadata ({type(e).__name__}: {e})") from e
+        raise errors.CLIError(f"{directory}/.metadata is not readable DCP metadata ({type(e).__name__}: {e})") from e
     out = []
     for key, md in meta.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
@@ -138,7 +106,7 @@ def _inspect_dcp(directory: Path) -> list[TensorInfo]:
             shape = [int(d) for d in md.size]
             nbytes = math.prod(shape) * dtype.itemsize
         except (AttributeError, TypeError, ValueError) as e:
-            raise CLIError(f"{directory}/.metadata: entry {key!r} is not tensor metadata ({e})") from e
+            raise errors.CLIError(f"{directory}/.metadata: entry {key!r} is not tensor metadata ({e})") from e
         out.append(TensorInfo(key=key, dtype=_dtype_name(dtype), shape=shape, nbytes=nbytes))
     return out
 
@@ -150,7 +118,7 @@ def _inspect_torch_save(path: Path) -> list[TensorInfo]:
     try:  # weights_only: a torch.save file runs no code here
         obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:  # noqa: BLE001
-        raise CLIError(f"{path} is not a readable torch.save file ({type(e).__name__}: "
+        raise errors.CLIError(f"{path} is not a readable torch.save file ({type(e).__name__}: "
                        f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from e
     out: list[TensorInfo] = []
 
@@ -173,16 +141,16 @@ def _safetensors_files(path: Path) -> list[Path]:
     """The files a safetensors checkpoint path reads, as the loader resolves them (the single
     ``model.safetensors`` before an index; index entries must be plain names)."""
     from fsdptk._files.paths import plain_name
-    from fsdptk._files.safetensors_io import _resolve
+    from fsdptk._files.safetensors_io import resolve_files
 
     try:
-        index, files = _resolve(path)
+        index, files = resolve_files(path)
         if index is None:
             return files
         weight_map = json.loads(index.read_text())["weight_map"]
         names = [plain_name(v, what=f"index {str(index)!r} (key {k!r})") for k, v in weight_map.items()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-        raise CLIError(f"{path}: {type(e).__name__}: {e}") from e
+        raise errors.CLIError(f"{path}: {type(e).__name__}: {e}") from e
     return [index.parent / n for n in dict.fromkeys(names)]
 
 
@@ -215,13 +183,13 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> tuple[str, list[TensorIn
     """
     p = Path(path)
     if not p.exists():
-        raise CLIError(f"no such file or directory: {p}")
+        raise errors.CLIError(f"no such file or directory: {p}")
     if p.is_dir():
         if os.path.lexists(p / ".metadata"):
             return "dcp", _inspect_dcp(p)
         if any(p.glob("*.safetensors")) or any(p.glob("*.safetensors.index.json")):
             return "safetensors", _inspect_safetensors(_safetensors_files(p))
-        raise CLIError(f"{p} holds neither *.safetensors files nor a DCP .metadata file")
+        raise errors.CLIError(f"{p} holds neither *.safetensors files nor a DCP .metadata file")
     if p.suffix == ".safetensors":
         return "safetensors", _inspect_safetensors([p])
     if p.name.endswith(".safetensors.index.json"):
@@ -229,7 +197,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> tuple[str, list[TensorIn
         return "safetensors", _inspect_safetensors(_safetensors_files(p))
     if p.suffix in {".pt", ".pth", ".bin"}:
         return "torch", _inspect_torch_save(p)
-    raise CLIError(f"{p}: unknown checkpoint type (expected .safetensors, .pt/.pth/.bin or a directory)")
+    raise errors.CLIError(f"{p}: unknown checkpoint type (expected .safetensors, .pt/.pth/.bin or a directory)")
 
 
 def _human(nbytes: int) -> str:
@@ -266,21 +234,21 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _load_factory(spec: str) -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise CLIError(f"model must be given as MODULE:FACTORY (e.g. examples.llama:tiny) or be a "
+        raise errors.CLIError(f"model must be given as MODULE:FACTORY (e.g. examples.llama:tiny) or be a "
                        f"Hugging Face checkpoint directory, got {spec!r}")
     if os.getcwd() not in sys.path:  # like `python -m`: modules of the current directory import
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise CLIError(f"cannot import module {module_name!r} ({e})") from e
+        raise errors.CLIError(f"cannot import module {module_name!r} ({e})") from e
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise CLIError(f"module {module_name!r} has no attribute {attr!r}")
+            raise errors.CLIError(f"module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise CLIError(f"{spec} is not callable")
+        raise errors.CLIError(f"{spec} is not callable")
     return obj
 
 
@@ -296,7 +264,7 @@ def _hf_plan_model(path: Path, kwargs: dict[str, Any], dtype: Any, trust_remote_
     try:
         return hf_meta_model(path, dtype=dtype, trust_remote_code=trust_remote_code, **kwargs)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds on a bad config
-        raise CLIError(f"cannot build a model from {path}: {_one_line(e)}") from e
+        raise errors.CLIError(f"cannot build a model from {path}: {_one_line(e)}") from e
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -308,9 +276,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         kwargs = json.loads(args.kwargs)
     except json.JSONDecodeError as e:
-        raise CLIError(f"--kwargs is not valid JSON ({e}): {args.kwargs!r}") from e
+        raise errors.CLIError(f"--kwargs is not valid JSON ({e}): {args.kwargs!r}") from e
     if not isinstance(kwargs, dict):
-        raise CLIError(f"--kwargs must be a JSON object, got {args.kwargs!r}")
+        raise errors.CLIError(f"--kwargs must be a JSON object, got {args.kwargs!r}")
     dtype = getattr(torch, args.dtype) if args.dtype else None
     hf = Path(args.model).exists()  # an HF checkpoint directory (config.json) or a config file
     if hf:
@@ -320,7 +288,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         with torch.device("meta"):
             model = factory(**kwargs)
         if not isinstance(model, torch.nn.Module):
-            raise CLIError(f"{args.model}(...) returned {type(model).__name__}, not an nn.Module")
+            raise errors.CLIError(f"{args.model}(...) returned {type(model).__name__}, not an nn.Module")
         if dtype is not None:
             model = model.to(dtype)
     conditions: list[Any] = []
@@ -328,11 +296,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         try:
             conditions.append(no_split_modules(model) if hf else get_shard_conditions)
         except ValueError as e:
-            raise CLIError(f"{e}; or pass --no-layers --glob PATTERN") from e
+            raise errors.CLIError(f"{e}; or pass --no-layers --glob PATTERN") from e
     if args.glob:
         conditions.append(by_glob(*args.glob))
     if not conditions:
-        raise CLIError("no shard condition: drop --no-layers or give --glob PATTERN")
+        raise errors.CLIError("no shard condition: drop --no-layers or give --glob PATTERN")
     try:
         if args.tp > 1:  # the model's own TP plan, then FSDP over world_size // tp ranks
             if not hf:
@@ -345,7 +313,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         else:
             plan = describe_sharding(model, conditions, world_size=args.world_size)
     except ValueError as e:
-        raise CLIError(str(e)) from e
+        raise errors.CLIError(str(e)) from e
     print(plan)
     return 0
 
@@ -358,11 +326,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
     src, dst = Path(args.src), Path(args.dst)
     if not src.exists():
-        raise CLIError(f"no such file or directory: {src}")
+        raise errors.CLIError(f"no such file or directory: {src}")
     try:
         check_disjoint(src, dst)  # the destination is replaced as a whole: never over the source
     except ValueError as e:
-        raise CLIError(str(e)) from e
+        raise errors.CLIError(str(e)) from e
     to = args.to
     if to is None:
         to = "safetensors" if (src.is_dir() and (src / ".metadata").is_file()) else "dcp"
@@ -370,15 +338,15 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     try:
         if to == "safetensors":
             if not (src.is_dir() and (src / ".metadata").is_file()):
-                raise CLIError(f"{src} is not a DCP checkpoint directory (no .metadata file)")
+                raise errors.CLIError(f"{src} is not a DCP checkpoint directory (no .metadata file)")
             out = ckpt.dcp_to_safetensors(src, dst, prefix=prefix or None,
                                           max_shard_size=args.max_shard_size)
         else:
             if not (src.suffix == ".safetensors" or (src.is_dir() and any(src.glob("*.safetensors")))):
-                raise CLIError(f"{src} is neither a .safetensors file nor a directory of them")
+                raise errors.CLIError(f"{src} is neither a .safetensors file nor a directory of them")
             out = ckpt.safetensors_to_dcp(src, dst, prefix=prefix)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError; FileNotFoundError an OSError
-        raise CLIError(f"{type(e).__name__}: {e}") from e
+        raise errors.CLIError(f"{type(e).__name__}: {e}") from e
     print(f"wrote {to}: {out}")
     return 0
 
@@ -388,7 +356,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace, extra: list[str]) -> int:
     script = Path(args.script) if args.script else _REPO_EXAMPLE
     if not script.is_file():
-        raise CLIError(
+        raise errors.CLIError(
             f"example script not found: {script} (the demo runs examples/train_llama.py from a source "
             "checkout; pass --script PATH)"
         )
@@ -496,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "convert":
             return _cmd_convert(args)
         return _cmd_demo(args, extra)
-    except CLIError as e:
+    except errors.CLIError as e:
         print(f"fsdptk {args.command}: error: {e}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # `fsdptk inspect ... | head`

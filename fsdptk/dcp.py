@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdptk import errors
+from fsdptk._core.calls import old_form
 from fsdptk._core.dist import all_gather_object, comm_group, has_process_group, is_rank0, run_agreed
 from fsdptk._core.dist import world as _world
 from fsdptk._files.commit import dcp_backup, dcp_names, recover_dcp, swap_in_dcp
@@ -40,7 +42,7 @@ from fsdptk._files.lock import DirectoryLock
 from fsdptk._files.paths import check_disjoint
 from fsdptk._files.pending import wait_for_pending
 from fsdptk._files.safe_pickle import safe_load_planner, safe_reader
-from fsdptk._files.safetensors_io import CheckpointError, SafetensorsCheckpoint, parse_size
+from fsdptk._files.safetensors_io import SafetensorsCheckpoint, parse_size
 from fsdptk._files.safetensors_writer import ShardedWriter
 from fsdptk.errors import StateDictMismatchError
 
@@ -49,8 +51,6 @@ __all__ = [
     "load_dcp",
     "dcp_to_safetensors",
     "safetensors_to_dcp",
-    "convert_dcp_to_safetensors",
-    "convert_safetensors_to_dcp",
 ]
 
 PathLike = str | os.PathLike[str]
@@ -161,9 +161,8 @@ def _dist_kwargs() -> dict[str, Any]:
 def _check_order(fn: str, model: Any, path: Any, rest: str) -> None:
     """TypeError for the old argument order ``fn(path, model, ...)`` (or a non-module model)."""
     if isinstance(model, (str, os.PathLike)) and isinstance(path, nn.Module):
-        raise TypeError(f"{fn}() takes the model first: call {fn}(model, path{rest}) "
-                        f"instead of {fn}(path, model{rest}) (got path={str(model)!r} first and a "
-                        f"{type(path).__name__} second)")
+        raise old_form(fn, "takes the model first", f"model, path{rest}", f"path, model{rest}",
+                       f" (got path={str(model)!r} first and a {type(path).__name__} second)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"{fn}(model, path{rest}): model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(path, (str, os.PathLike)):
@@ -347,7 +346,7 @@ def load_dcp(
     path, keys = run_agreed(lambda: _readable_keys(Path(path)))
     has_optim = any(k.startswith("optim.") for k in keys)
     if optimizer is not None and not has_optim:
-        raise CheckpointError(f"{str(path)!r} holds no optimizer state (no 'optim.*' entries); "
+        raise errors.CheckpointError(f"{str(path)!r} holds no optimizer state (no 'optim.*' entries); "
                               "pass optimizer=None or load another checkpoint")
     options = StateDictOptions(strict=strict)
     # local steps between collectives: a failure on one rank is raised on every rank
@@ -384,7 +383,7 @@ def _tensor_keys(meta: dict[str, Any], prefix: str | None, src: Path) -> dict[st
             out[key[len(prefix):]] = key
     if not out:
         tops = sorted({k.split(".", 1)[0] + "." for k in meta})
-        raise CheckpointError(f"no tensor under prefix {prefix!r} in DCP checkpoint {str(src)!r} "
+        raise errors.CheckpointError(f"no tensor under prefix {prefix!r} in DCP checkpoint {str(src)!r} "
                               f"(top-level prefixes: {tops}); pass prefix=None for every tensor")
     return out
 
@@ -551,6 +550,3 @@ def safetensors_to_dcp(
         staging.commit()
     return dst
 
-
-convert_dcp_to_safetensors = dcp_to_safetensors
-convert_safetensors_to_dcp = safetensors_to_dcp

@@ -18,22 +18,23 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
 
 from fsdptk import _engine
+from fsdptk._core.calls import renamed_keywords
 from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.compat import local_tensor
 from fsdptk._core.dist import agreed, check_comm_device, check_rank_zero, check_type, is_rank0
 from fsdptk._engine import ShapesSource, TensorMeta, bucket_size, check_source, layout_of, merge_checks
+from fsdptk._engine.sources import NestedSource
 from fsdptk._plans.optim_layout import (
     PARAMS,
     PG,
     STATE,
     LoadView,
-    StateSource,
     local_osd,
     optim_groups,
     param_fqns,
@@ -50,32 +51,36 @@ __all__ = [
     "to_fqn_optimizer_state_dict",
 ]
 
+# check_source's verdict: (problems, missing, unexpected, metas), merged by merge_checks
+Verdict = tuple[list[tuple[str, str]], list[str], list[str], dict[str, TensorMeta]]
+
 # ---------------------------------------------------------------------------------------------
 # gather
 
 
-def _check_args(model: Any, opt: Any) -> None:
+def _check_args(model: Any, opt: Any, name: str = "opt") -> None:
+    """TypeErrors naming the argument (``name``: ``opt`` in torchtune's names, else ``optimizer``)."""
     check_type(model, nn.Module, "model", "a torch.nn.Module")
-    check_type(opt, torch.optim.Optimizer, "opt", "a torch.optim.Optimizer")
+    check_type(opt, torch.optim.Optimizer, name, "a torch.optim.Optimizer")
 
 
-def _local_layout(model: nn.Module, opt: torch.optim.Optimizer, bucket_bytes: int | None
+def _local_layout(model: nn.Module, opt: torch.optim.Optimizer, bucket_bytes: int | None, name: str = "opt"
                   ) -> tuple[list[tuple[str, Any, Any]], list[dict[str, Any]], int, Exception | None]:
     """:func:`_gather_layout` and the bucket size, or this rank's error: no collective, the error
     is agreed in the engine's one metadata exchange (``_iter_state(..., failed=error)``)."""
     try:
-        _check_args(model, opt)
+        _check_args(model, opt, name)
         size = bucket_size(bucket_bytes)
-        entries, groups = _gather_layout(model, opt)
+        entries, groups = _gather_layout(model, opt, name)
     except Exception as e:  # noqa: BLE001 - raised on every rank by collect's exchange
         return [], [], 1, e
     return entries, groups, size, None
 
 
-def _gather_layout(model: nn.Module, opt: torch.optim.Optimizer
+def _gather_layout(model: nn.Module, opt: torch.optim.Optimizer, name: str = "opt"
                    ) -> tuple[list[tuple[str, Any, Any]], list[dict[str, Any]]]:
     """``[(fqn, key, live value), ...]`` in ``opt.state_dict()`` order, and the FQN param groups."""
-    _check_args(model, opt)
+    _check_args(model, opt, name)
     ours = optim_groups(model, opt)
     osd = opt.state_dict()
     pid_fqn = {pid: fqn for saved, group in zip(osd[PG], ours)
@@ -87,7 +92,8 @@ def _gather_layout(model: nn.Module, opt: torch.optim.Optimizer
     return entries, groups
 
 
-def get_optimizer_param_groups(model: nn.Module, opt: torch.optim.Optimizer) -> list[dict[str, Any]]:
+@renamed_keywords(opt="optimizer")
+def get_optimizer_param_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
     """The optimizer's param groups with parameter FQNs in ``"params"`` (no communication).
 
     The ``"param_groups"`` part of :func:`get_full_optimizer_state_dict`, for checkpoint writers
@@ -95,13 +101,15 @@ def get_optimizer_param_groups(model: nn.Module, opt: torch.optim.Optimizer) -> 
 
     Args:
         model: the (sharded) model the optimizer's parameters belong to.
-        opt: the optimizer.
+        optimizer: the optimizer.
 
     Returns:
         list[dict]: one dict per group: its hyper-parameters (copies) and ``"params": [fqn, ...]``.
 
     Raises:
         ValueError: a parameter of the optimizer is not a parameter of the model.
+        TypeError: ``model`` or ``optimizer`` has the wrong type (named), or the optimizer is
+            passed as ``opt=`` (the old name; the message says how to call it).
 
     Example:
         >>> import torch
@@ -111,12 +119,13 @@ def get_optimizer_param_groups(model: nn.Module, opt: torch.optim.Optimizer) -> 
         >>> [(g["lr"], g["params"]) for g in get_optimizer_param_groups(model, opt)]
         [(0.1, ['weight']), (0.0, ['bias'])]
     """
-    return _gather_layout(model, opt)[1]
+    return _gather_layout(model, optimizer, "optimizer")[1]
 
 
+@renamed_keywords(opt="optimizer")
 def iter_full_optimizer_state(
     model: nn.Module,
-    opt: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer,
     *,
     bucket_bytes: int | None = None,
 ) -> Iterator[list[tuple[str, dict[str, Any]]]]:
@@ -127,12 +136,12 @@ def iter_full_optimizer_state(
     state of one parameter that straddles two buckets). State tensors (DTensors on any mesh, or
     plain tensors) are gathered with :func:`fsdptk._engine.collect` (point to point to rank 0, one
     replica per HSDP group); plain tensors (``step``) and python values are taken from rank 0.
-    Each parameter's state is yielded once, complete, in ``opt.state_dict()`` order; parameters
-    without state are not yielded. Pair it with :func:`get_optimizer_param_groups`.
+    Each parameter's state is yielded once, complete, in ``optimizer.state_dict()`` order;
+    parameters without state are not yielded. Pair it with :func:`get_optimizer_param_groups`.
 
     Args:
         model: the (sharded) model; the same structure on every rank.
-        opt: its optimizer.
+        optimizer: its optimizer.
         bucket_bytes: full-tensor bytes per gather bucket (``None``: the engine's default, 16 MiB).
 
     Returns:
@@ -143,7 +152,8 @@ def iter_full_optimizer_state(
     Raises:
         ValueError: on every rank, when the optimizer holds a parameter the model lacks, a state
             tensor is on ``meta`` or the ranks' states differ in keys, shapes or dtypes.
-        TypeError: on every rank, when ``model`` or ``opt`` has the wrong type (named).
+        TypeError: on every rank, when ``model`` or ``optimizer`` has the wrong type (named); at
+            the call, when the optimizer is passed as ``opt=`` (the old name).
         Exception: any rank's failure while gathering (or the caller's, passed in with
             ``iterator.throw(exc)``), on every rank, naming that rank.
 
@@ -156,7 +166,7 @@ def iter_full_optimizer_state(
         >>> [(fqn, sorted(st)) for bucket in iter_full_optimizer_state(model, opt) for fqn, st in bucket]
         [('weight', ['exp_avg', 'exp_avg_sq', 'step']), ('bias', ['exp_avg', 'exp_avg_sq', 'step'])]
     """
-    entries, _, size, error = _local_layout(model, opt, bucket_bytes)
+    entries, _, size, error = _local_layout(model, optimizer, bucket_bytes, "optimizer")
     yield from _iter_state(entries, size, failed=error)
 
 
@@ -274,12 +284,13 @@ def get_full_optimizer_state_dict(
 # load
 
 
+@renamed_keywords(opt="optimizer")
 def to_fqn_optimizer_state_dict(
     model: nn.Module,
     osd: Mapping[str, Any],
     *,
     param_names: Sequence[str] | None = None,
-    opt: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
     """Convert a plain single-process ``opt.state_dict()`` (integer ids) to the FQN layout.
 
@@ -288,9 +299,10 @@ def to_fqn_optimizer_state_dict(
     1. the groups' own ``"param_names"`` (torch adds them when an optimizer is built over
        ``model.named_parameters()``);
     2. ``param_names``: ``param_names[i]`` is the FQN of id ``i``;
-    3. ``opt``, when every saved group has as many ids as the same group of ``opt``: ids follow
-       ``opt``'s groups in order, which is torch's own ``Optimizer.load_state_dict`` rule (right
-       when ``opt`` is built by the same code as the saved optimizer, e.g. decay / no-decay groups);
+    3. ``optimizer``, when every saved group has as many ids as the same group of ``optimizer``:
+       ids follow its groups in order, which is torch's own ``Optimizer.load_state_dict`` rule
+       (right when ``optimizer`` is built by the same code as the saved one, e.g. decay / no-decay
+       groups);
     4. ``model.named_parameters()`` order: id ``i`` is the ``i``-th parameter (right for an
        optimizer built as ``Opt(model.parameters())``).
 
@@ -302,7 +314,7 @@ def to_fqn_optimizer_state_dict(
         osd: ``opt.state_dict()`` of a plain optimizer, or an FQN-keyed state dict.
         param_names: the FQN of each integer id, for an optimizer built over a filtered or
             reordered parameter list (e.g. only the trainable parameters).
-        opt: the optimizer the state is meant for (rule 3).
+        optimizer: the optimizer the state is meant for (rule 3).
 
     Returns:
         dict: ``{"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn, ...]}]}``.
@@ -310,6 +322,8 @@ def to_fqn_optimizer_state_dict(
     Raises:
         ValueError: malformed input, mixed id and FQN keys, or an id with no parameter (names the
             ids and the number of names available).
+        TypeError: the optimizer is passed as ``opt=`` (the old name; the message says how to call
+            it).
 
     Example:
         >>> import torch
@@ -319,13 +333,26 @@ def to_fqn_optimizer_state_dict(
         >>> to_fqn_optimizer_state_dict(model, opt.state_dict())["param_groups"][0]["params"]
         ['weight', 'bias']
     """
-    return to_fqn_layout(model, osd, param_names, optim_groups(model, opt) if opt is not None else None)
+    return to_fqn_layout(model, osd, param_names,
+                         optim_groups(model, optimizer) if optimizer is not None else None)
+
+
+class ReaderView(NamedTuple):
+    """What a rank that reads ``full_sd`` contributes to the optimizer load's one metadata
+    exchange (the ``extra`` of :func:`fsdptk._engine.agree`; ``None`` from a rank that reads nothing)."""
+
+    view: LoadView | None  # the whole view: rank 0's when broadcasting, else not sent
+    digest: str  # fingerprint of the view (ranks reading their own copy compare it)
+    problems: list[str]  # what is wrong with the saved state, by key
+    checked: Verdict  # the engine's verdict on the state tensors (check_source)
 
 
 def _reader_view(model: nn.Module, ours: list[list[tuple[str, torch.Tensor]]], full_sd: Mapping[str, Any],
                  param_names: Sequence[str] | None, broadcast_from_rank0: bool,
-                 ) -> tuple[LoadView, Mapping[str, Any], Any]:
-    """A reading rank's view of ``full_sd``, its saved state, and what it contributes to the agreement.
+                 ) -> tuple[LoadView, NestedSource, ReaderView]:
+    """A reading rank's view of ``full_sd``, its saved state tensors as the engine's source (built
+    once, here: the per-parameter dicts are the caller's, released by the load), and what it
+    contributes to the agreement.
 
     The contribution (the ``extra`` of the engine's one metadata exchange): rank 0's whole view when
     broadcasting, else a fingerprint of this rank's view; with it the engine's verdict on each
@@ -336,27 +363,32 @@ def _reader_view(model: nn.Module, ours: list[list[tuple[str, torch.Tensor]]], f
     params = {fqn: p for group in ours for fqn, p in group}
     layouts: dict[str, Any] = {}
     entries = [(name, layouts.setdefault(fqn, layout_of(params[fqn]))) for name, fqn, _ in view.tensors]
-    checked = check_source(entries, StateSource(saved, view.tensors), False)
-    return view, saved, ((view, checked) if broadcast_from_rank0 else (view.digest(), view.problems, checked))
+    source = NestedSource(saved, view.tensors)
+    checked = check_source(entries, source, False)
+    return view, source, ReaderView(view if broadcast_from_rank0 else None, view.digest(), list(view.problems),
+                                    checked)
 
 
-def _agree_view(view: LoadView | None, extras: list[Any], broadcast_from_rank0: bool,
-                ) -> tuple[LoadView, list[Any]]:
+def _agree_view(view: LoadView | None, extras: list[ReaderView | None], broadcast_from_rank0: bool,
+                ) -> tuple[LoadView, list[Verdict | None]]:
     """Every rank's view (rank 0's when broadcasting) or the same error, from the agreed extras.
 
     Returns the view and the engine's verdicts on the state tensors: rank 0's alone when
     broadcasting, else one per rank.
     """
+    verdicts: list[Verdict | None]
     if broadcast_from_rank0:
-        view, checked = extras[0]
-        problems, verdicts = list(view.problems), [checked]
-    else:
-        problems = list(dict.fromkeys(p for _, ps, _ in extras for p in ps))
-        differ = [r for r, (d, _, _) in enumerate(extras) if d != extras[0][0]]
+        rank0 = extras[0]
+        assert rank0 is not None and rank0.view is not None  # rank 0 reads
+        view, problems, verdicts = rank0.view, list(rank0.problems), [rank0.checked]
+    else:  # every rank reads its own copy
+        mine = [e for e in extras if e is not None]
+        problems = list(dict.fromkeys(p for e in mine for p in e.problems))
+        differ = [r for r, e in enumerate(mine) if e.digest != mine[0].digest]
         if differ and not problems:
             problems.append(f"the full optimizer states differ between rank 0 and ranks {differ}; pass "
                             "broadcast_from_rank0=True to read rank 0's only")
-        verdicts = [checked for _, _, checked in extras]
+        verdicts = [e.checked for e in mine]
     if problems:
         shown = "\n  - ".join(problems[:20])
         raise ValueError(f"cannot load the optimizer state: {len(problems)} problem(s):\n  - {shown}")
@@ -488,8 +520,8 @@ def load_from_full_optimizer_state_dict(
         nbytes = bucket_size(bucket_bytes)
         ours = optim_groups(model, opt)
         params = {fqn: p for group in ours for fqn, p in group}
-        view, saved, mine = (_reader_view(model, ours, full_sd, param_names, broadcast_from_rank0) if reads
-                             else (None, {}, None))
+        view, source, mine = (_reader_view(model, ours, full_sd, param_names, broadcast_from_rank0) if reads
+                              else (None, NestedSource({}, []), None))  # a rank that reads nothing
         shapes = ShapesSource({fqn: TensorMeta(tuple(p.shape), p.dtype) for fqn, p in params.items()})
     except Exception as e:  # noqa: BLE001 - agreed by the engine's exchange just below
         error, params, shapes, mine = e, {}, ShapesSource({}), None
@@ -503,7 +535,6 @@ def load_from_full_optimizer_state_dict(
     if strict:
         _check_strict(view, param_fqns(model)[1])
     plan = _state_plan(plan, view, verdicts, broadcast_from_rank0)
-    source = StateSource(saved, view.tensors)  # per-parameter dicts are the caller's (release)
     # validation is over on every rank: from here on state moves (agreed per bucket by the engine)
     local = dict(_engine.distribute(plan, source, device=_state_device(ours, dev), release=release_sd,
                                     bucket_bytes=nbytes))

@@ -31,17 +31,16 @@ from torch.distributed.fsdp import (
 
 from fsdptk._core.dist import has_process_group, log_rank0, world
 from fsdptk._plans.sharding import (
-    ShardConditionError,
     ShardingPlan,
+    Unit,
     UnitPlan,
-    _make_plan,
-    _summarise,
-    _Unit,
     describe_sharding,
+    make_plan,
+    summarise,
 )
 from fsdptk.predicates import ShardCondition
 
-__all__ = ["shard_model", "describe_sharding", "ShardingPlan", "UnitPlan", "ShardConditionError"]
+__all__ = ["shard_model", "describe_sharding", "ShardingPlan", "UnitPlan"]
 
 _log = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ def _shard_world_size(dp_mesh: DeviceMesh | None) -> int:
     return dp_mesh.size(dp_mesh.ndim - 1)
 
 
-def _target(unit: _Unit) -> nn.Module | list[nn.Module]:
+def _target(unit: Unit) -> nn.Module | list[nn.Module]:
     return unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
 
 
@@ -196,9 +195,9 @@ def shard_model(
     """
     _check_options(cpu_offload, dp_mesh, forward_prefetch, backward_prefetch, mp_policy,
                    root_reshard_after_forward)
-    plan = _make_plan(model, shard_conditions)
+    plan = make_plan(model, shard_conditions)
     world_size = _shard_world_size(dp_mesh)
-    summary = _summarise(plan, world_size)
+    summary = summarise(plan, world_size)
 
     kwargs: dict[str, Any] = {
         "mesh": dp_mesh,

@@ -9,7 +9,7 @@ and gathering streams full tensors to rank 0 bucket by bucket. See ``docs/state_
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator, Mapping
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
@@ -28,7 +28,7 @@ from fsdptk._core.dist import (
 from fsdptk._core.dist import world as _world
 from fsdptk._core.names import tensor_groups
 from fsdptk._engine import TensorMeta, bucket_size
-from fsdptk._engine.sources import as_source
+from fsdptk._engine.sources import RenamedSource, aliased
 from fsdptk.buffers import BUFFER_INIT_HOOKS, BufferInit
 from fsdptk.errors import StateDictMismatchError
 
@@ -48,82 +48,19 @@ def _tensor_groups(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], di
     return targets, aliases
 
 
-class _AliasedSource(Mapping[str, Any]):
-    """The caller's mapping seen through tied-parameter aliases: a tied group is one key.
+class BufferShape(NamedTuple):
+    """A non-persistent buffer's shape and dtype on one rank (what rank 0 would send it)."""
 
-    It is an engine source (metadata, read a box, release) over the caller's mapping adapted by
-    :func:`fsdptk._engine.sources.as_source`.
-
-    A tied group (``embed.weight`` / ``head.weight``) is read from its canonical key, or from any
-    alias when the checkpoint stores only that one; alias keys are not reported as unexpected and
-    are released together with the canonical key.
-    """
-
-    def __init__(self, source: Mapping[str, Any], aliases: dict[str, str]) -> None:
-        self._src = source
-        self._aliases = aliases
-        self._group: dict[str, list[str]] = {}
-        for alias, canon in aliases.items():
-            self._group.setdefault(canon, [canon]).append(alias)
-        self._inner = as_source(source)
-
-    def _resolve(self, key: str) -> str:
-        for k in self._group.get(key, [key]):
-            if k in self._src:
-                return k
-        return key
-
-    def __getitem__(self, key: str) -> Any:
-        return self._src[self._resolve(key)]
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self._resolve(key) in self._src
-
-    def __iter__(self) -> Iterator[str]:
-        for k in self._src:
-            canon = self._aliases.get(k)
-            if canon is None:
-                yield k
-            elif canon not in self._src and self._resolve(canon) == k:
-                yield canon  # the checkpoint stores only an alias: it stands for the group
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __delitem__(self, key: str) -> None:
-        """Release ``key`` (and its tied aliases): see :func:`_release_entry`."""
-        for k in self._group.get(key, [key]):
-            if k in self._src:
-                _release_entry(self._src, k)
-
-    # the engine's source protocol (fsdptk._engine.sources): read through the caller's source
-    def meta(self, key: str) -> TensorMeta:
-        """Shape and dtype of ``key`` (through its alias when only that one is stored)."""
-        return self._inner.meta(self._resolve(key))
-
-    def read(self, key: str, box: Any = None) -> torch.Tensor:
-        """``key``'s full tensor, or its piece at ``box`` (read shard-on-read when the source can)."""
-        return self._inner.read(self._resolve(key), box)
-
-    def release(self, key: str) -> None:
-        """Release ``key`` and its tied aliases (``del``)."""
-        del self[key]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
-def _release_entry(source: Any, key: str) -> None:
-    """torchtune's ``release_sd`` contract: free the entry's memory but keep its key.
+class BufferView(NamedTuple):
+    """One rank's non-persistent buffers, exchanged with the load's metadata (``agree(extra=)``)."""
 
-    The value becomes a ``meta`` tensor of the same shape and dtype (no storage), so the caller's
-    dict keeps every key it had (torchtune's LoRA recipe tests ``not state_dict`` afterwards) while
-    the full tensor can be freed. A mapping that cannot be assigned to is left as it is.
-    """
-    value = source[key]
-    if not isinstance(value, torch.Tensor) or value.is_meta:
-        return
-    try:
-        source[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
-    except (TypeError, NotImplementedError, AttributeError):
-        pass
+    meta: dict[str, list[str]]  # module fqn -> its buffers still on meta
+    failed: dict[str, str]  # module fqn -> why no rule recomputed them
+    shapes: dict[str, BufferShape]  # buffer fqn -> shape and dtype, every non-persistent buffer
 
 
 def _meta_nonpersistent(model: nn.Module) -> dict[str, list[str]]:
@@ -131,25 +68,25 @@ def _meta_nonpersistent(model: nn.Module) -> dict[str, list[str]]:
     return _buffers._meta_nonpersistent(model)
 
 
-def _buffer_local(model: nn.Module, init_buffers: BufferInit | None) -> tuple[dict[str, Any], Any]:
-    """This rank's recomputed meta non-persistent buffers, and its view to agree: (values,
-    (meta buffers by module, why each rule failed)). Local only (on shadows: the model does not
-    change); the view travels in the engine's metadata agreement (``agree(extra=...)``)."""
+def _buffer_local(model: nn.Module, init_buffers: BufferInit | None) -> tuple[dict[str, Any], BufferView]:
+    """This rank's recomputed meta non-persistent buffers, and its view to agree. Local only (on
+    shadows: the model does not change); the view travels in the engine's metadata agreement
+    (``agree(extra=...)``)."""
     mine = _meta_nonpersistent(model)
     try:
         values, failed = _buffers._recompute(model, mine, init_buffers)
     except Exception as e:  # noqa: BLE001 - agreed with the metadata, never left to one rank
         values, failed = {}, {m: f"recomputing raised {type(e).__name__}: {e}" for m in mine}
     # every non-persistent buffer's (shape, dtype): what rank 0 would send and each rank receive
-    shapes = {_buffers._fqn(mod_name, name): (tuple(buf.shape), buf.dtype)
+    shapes = {_buffers._fqn(mod_name, name): BufferShape(tuple(buf.shape), buf.dtype)
               for mod_name, mod in model.named_modules()
               for name in getattr(mod, "_non_persistent_buffers_set", ())
               if (buf := mod._buffers.get(name)) is not None}
-    return values, (mine, failed, shapes)
+    return values, BufferView(mine, failed, shapes)
 
 
 def _buffer_plan(model: nn.Module, broadcast_from_rank0: bool, init_buffers: BufferInit | None,
-                 local: tuple[dict[str, Any], Any] | None = None, views: list[Any] | None = None,
+                 local: tuple[dict[str, Any], BufferView] | None = None, views: list[BufferView] | None = None,
                  ) -> tuple[dict[str, Any], list[str]]:
     """Decide, identically on every rank, how meta non-persistent buffers get their values.
 
@@ -167,13 +104,13 @@ def _buffer_plan(model: nn.Module, broadcast_from_rank0: bool, init_buffers: Buf
     if views is None:
         views = all_gather_object(view) if world > 1 else [view]
     failures: dict[str, str] = {}
-    for _, f, _ in views:
-        for mod_name, msg in f.items():
+    for v in views:
+        for mod_name, msg in v.failed.items():
             failures.setdefault(mod_name, msg)
     send, problems = [], []
-    rank0_meta = views[0][0]
+    rank0_meta = views[0].meta
     for mod_name in sorted(failures):
-        names = sorted({b for v, _, _ in views for b in v.get(mod_name, [])})
+        names = sorted({b for v in views for b in v.meta.get(mod_name, [])})
         rank0_real = not set(names) & set(rank0_meta.get(mod_name, []))
         if names and broadcast_from_rank0 and rank0_real and world > 1 and init_buffers is None:
             send += [_buffers._fqn(mod_name, n) for n in names]
@@ -185,7 +122,7 @@ def _buffer_plan(model: nn.Module, broadcast_from_rank0: bool, init_buffers: Buf
     return values, send
 
 
-def _receive_buffers(model: nn.Module, fqns: list[str], device: torch.device, views: list[Any],
+def _receive_buffers(model: nn.Module, fqns: list[str], device: torch.device, views: list[BufferView],
                      ) -> dict[str, torch.Tensor]:
     """Rank 0's real values of meta non-persistent buffers -> every rank (scattered by the engine).
 
@@ -203,26 +140,27 @@ def _receive_buffers(model: nn.Module, fqns: list[str], device: torch.device, vi
         return {}
     problems = []
     for fqn in fqns:
-        seen = [v[2].get(fqn) for v in views]
-        absent = [r for r, s in enumerate(seen) if s is None]
+        found = [v.shapes.get(fqn) for v in views]
+        absent = [r for r, s in enumerate(found) if s is None]
         if absent:
             problems.append(("ValueError", f"non-persistent buffer {fqn!r} is not registered on ranks {absent}"))
             continue
-        differ = [r for r, s in enumerate(seen) if s[0] != seen[0][0]]
+        seen = [s for s in found if s is not None]
+        rank0 = seen[0]
+        differ = [r for r, s in enumerate(seen) if s.shape != rank0.shape]
         if differ:
-            problems.append(("ValueError", f"non-persistent buffer {fqn!r}: shape {list(seen[0][0])} on rank 0, "
-                             f"{[list(seen[r][0]) for r in differ]} on ranks {differ}"))
-        src = seen[0][1]
-        ints = [r for r, s in enumerate(seen) if src.is_floating_point and not s[1].is_floating_point]
+            problems.append(("ValueError", f"non-persistent buffer {fqn!r}: shape {list(rank0.shape)} on rank 0, "
+                             f"{[list(seen[r].shape) for r in differ]} on ranks {differ}"))
+        ints = [r for r, s in enumerate(seen) if rank0.dtype.is_floating_point and not s.dtype.is_floating_point]
         if ints:
-            problems.append(("ValueError", f"non-persistent buffer {fqn!r}: cannot load rank 0's {src} into "
-                             f"the {seen[ints[0]][1]} buffer of ranks {ints}"))
+            problems.append(("ValueError", f"non-persistent buffer {fqn!r}: cannot load rank 0's {rank0.dtype} into "
+                             f"the {seen[ints[0]].dtype} buffer of ranks {ints}"))
     raise_problems(problems, "cannot send the non-persistent buffers from rank 0")
     modules = dict(model.named_modules())
     owners = [(modules[f.rpartition(".")[0]], f.rpartition(".")[2]) for f in fqns]
     targets = [(f, mod._buffers[n]) for f, (mod, n) in zip(fqns, owners)]
     source = dict(targets) if is_rank0() else {}
-    metas = {f: TensorMeta(*views[0][2][f]) for f in fqns}
+    metas = {f: TensorMeta(*views[0].shapes[f]) for f in fqns}
     plan = _engine.LoadPlan.replicated(targets, metas)
     return dict(_engine.distribute(plan, source, device=device))
 
@@ -338,17 +276,19 @@ def load_from_full_model_state_dict(
         nbytes = bucket_size(bucket_bytes)
         targets, aliases = _tensor_groups(model)
         # a PEFT model reads a plain base checkpoint under its own keys (fsdptk._peft)
-        source = _AliasedSource(_peft.base_view(model, {} if full_sd is None else full_sd), aliases)
+        viewed = _peft.base_view(model, {} if full_sd is None else full_sd)
+        source = aliased(viewed, aliases)
         buffers_local = _buffer_local(model, init_buffers)
     except Exception as e:  # noqa: BLE001 - agreed by the exchange just below
-        error, targets, source, buffers_local = e, [], _AliasedSource({}, {}), ({}, None)
+        error, targets, source, buffers_local = e, [], RenamedSource({}, {}), ({}, BufferView({}, {}, {}))
+        viewed = {}
         dev, nbytes = torch.device("cpu"), 1
     # ONE object exchange before data moves: this rank's argument error (if any) and the buffers'
     # views travel with the metadata
     plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0, extra=buffers_local[1],
                          failed=error)
     missing = [k for k in model.state_dict(keep_vars=True) if aliases.get(k, k) in plan.missing]
-    missing = _peft.without_left_adapters(getattr(source, "_src", None), missing)
+    missing = _peft.without_left_adapters(viewed, missing)
     if strict:
         _check_strict(model, missing, plan.unexpected)
     recomputed, send = _buffer_plan(model, broadcast_from_rank0, init_buffers, buffers_local, plan.extras)
@@ -378,7 +318,7 @@ def load_from_full_model_state_dict(
     if release_sd and broadcast_from_rank0 and not is_rank0():
         for fqn in plan.keys:  # never read here, but released like rank 0's (same contract)
             if fqn in source:
-                del source[fqn]
+                source.release(fqn)
     _assign_buffers(model, sent)
     _buffers._assign(model, recomputed, dev)
     _buffers._move_real_nonpersistent(model, dev)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import re
 import warnings
 
 import pytest
@@ -16,19 +17,28 @@ import fsdptk
 from fsdptk import errors
 
 
-def test_exceptions_live_in_errors_and_keep_their_old_paths() -> None:
-    from fsdptk._files.lock import CheckpointLockedError
-    from fsdptk._files.safetensors_io import CheckpointError
-    from fsdptk.checkpoint import CheckpointError as C2
-    from fsdptk.cli import CLIError
-    from fsdptk.sharding import ShardConditionError
+def test_exceptions_live_in_errors_only() -> None:
+    import importlib
+    import pkgutil
 
-    assert CheckpointError is C2 is errors.CheckpointError is fsdptk.CheckpointError
-    assert CheckpointLockedError is errors.CheckpointLockedError is fsdptk.CheckpointLockedError
-    assert ShardConditionError is errors.ShardConditionError is fsdptk.ShardConditionError
-    assert CLIError is errors.CLIError
-    for cls in (CheckpointError, CheckpointLockedError, ShardConditionError, CLIError):
-        assert cls.__module__ == "fsdptk.errors"
+    classes = {v for v in vars(errors).values() if isinstance(v, type) and issubclass(v, Exception)
+               and v.__module__ == "fsdptk.errors"}
+    assert {c.__name__ for c in classes} == set(errors.__all__)
+    for cls in classes:  # the top-level package lists some of them, from fsdptk.errors
+        assert getattr(fsdptk, cls.__name__, cls) is cls
+    # no other public module exports an exception class (one import path each)
+    for info in pkgutil.iter_modules(fsdptk.__path__):
+        if info.name.startswith("_") or info.name in ("errors", "testing"):
+            continue
+        mod = importlib.import_module(f"fsdptk.{info.name}")
+        exported = {name for name in getattr(mod, "__all__", ())
+                    if isinstance(getattr(mod, name), type) and issubclass(getattr(mod, name), Exception)}
+        assert not exported, (info.name, exported)
+    for old in ("fsdptk.checkpoint.CheckpointError", "fsdptk.dcp.CheckpointError", "fsdptk.checkpoint.CheckpointLockedError",
+                "fsdptk.sharding.ShardConditionError", "fsdptk.cli.CLIError",
+                "fsdptk.dcp.convert_dcp_to_safetensors", "fsdptk.checkpoint.convert_safetensors_to_dcp"):
+        module, name = old.rsplit(".", 1)
+        assert not hasattr(importlib.import_module(module), name), old
     assert issubclass(errors.StateDictMismatchError, RuntimeError)
     assert issubclass(errors.StateDictMismatchError, ValueError)
 
@@ -98,6 +108,44 @@ def test_dcp_takes_the_model_first_and_names_the_old_order(tmp_path) -> None:
         load_dcp({}, tmp_path / "c")
     for fn in (save_dcp, load_dcp):
         assert list(inspect.signature(fn).parameters)[:3] == ["model", "path", "optimizer"]
+
+
+def test_optimizer_is_named_optimizer_and_opt_says_how_to_call() -> None:
+    from fsdptk import get_optimizer_param_groups, iter_full_optimizer_state, to_fqn_optimizer_state_dict
+
+    model = nn.Linear(2, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = {
+        get_optimizer_param_groups: ((model,), "get_optimizer_param_groups(model, optimizer=...) instead of "
+                                               "get_optimizer_param_groups(model, opt=...)"),
+        iter_full_optimizer_state: ((model,), "iter_full_optimizer_state(model, optimizer=...) instead of "
+                                              "iter_full_optimizer_state(model, opt=...)"),
+        to_fqn_optimizer_state_dict: ((model, opt.state_dict()),
+                                      "to_fqn_optimizer_state_dict(model, osd, optimizer=...) instead of "
+                                      "to_fqn_optimizer_state_dict(model, osd, opt=...)"),
+    }
+    for fn, (args, how) in calls.items():
+        assert "optimizer" in inspect.signature(fn).parameters and "opt" not in inspect.signature(fn).parameters
+        with pytest.raises(TypeError, match=rf"names its 'opt' argument 'optimizer': call {re.escape(how)}"):
+            fn(*args, opt=opt)
+        fn(*args, optimizer=opt)  # the new name works
+    assert get_optimizer_param_groups(model, opt)[0]["params"] == ["weight", "bias"]  # positionally too
+
+
+def test_load_safetensors_is_strict_by_default(tmp_path) -> None:
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    from fsdptk import load_safetensors, save_safetensors
+
+    sig = inspect.signature(load_safetensors)
+    assert sig.parameters["strict"].default is True and sig.return_annotation in ("_IncompatibleKeys",
+                                                                                  _IncompatibleKeys)
+    assert all(p.kind is p.KEYWORD_ONLY for name, p in sig.parameters.items() if name not in ("model", "path"))
+    save_safetensors(nn.Linear(2, 3), tmp_path)
+    with pytest.raises(errors.StateDictMismatchError):
+        load_safetensors(nn.Linear(2, 3, bias=False), tmp_path)
+    res = load_safetensors(nn.Linear(2, 3, bias=False), tmp_path, strict=False)
+    assert isinstance(res, _IncompatibleKeys) and res.unexpected_keys == ["bias"]
 
 
 def test_bucket_bytes_is_one_convention() -> None:

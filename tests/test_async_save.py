@@ -156,29 +156,28 @@ def _wait_error(pending: Any) -> tuple[str, str, float]:
 
 
 def _read_fails(path: str, fail_rank: int) -> tuple[tuple[str, str, float], bool]:
-    import fsdptk._engine.gather as engine
+    from _patching import wrapped_send_local
+
     from fsdptk import load_safetensors, save_safetensors, save_safetensors_async
 
     model = _model()
     save_safetensors(model, path)
     previous = _gathered(model)
-    inner, calls = engine._plain_local, [0]
+    calls = [0]
 
-    def flaky(t: torch.Tensor) -> torch.Tensor:
-        calls[0] += 1
-        if dist.get_rank() == fail_rank and calls[0] == 3:
-            raise RuntimeError("device-side fault while reading a shard")
-        return inner(t)
+    def flaky(inner):
+        def read(layout):
+            calls[0] += 1
+            if dist.get_rank() == fail_rank and calls[0] == 3:
+                raise RuntimeError("device-side fault while reading a shard")
+            return inner(layout)
+        return read
 
-    engine._plain_local = flaky
-    try:
-        with torch.no_grad():
-            pending = save_safetensors_async(model, path, bucket_bytes=600)
-            for p in model.parameters():
-                p.add_(1.0)
-            res = _wait_error(pending)
-    finally:
-        engine._plain_local = inner
+    with wrapped_send_local(flaky), torch.no_grad():
+        pending = save_safetensors_async(model, path, bucket_bytes=600)
+        for p in model.parameters():
+            p.add_(1.0)
+        res = _wait_error(pending)
     check = _model(seed=5)
     load_safetensors(check, path, strict=True)
     return res, _same(_gathered(check), previous)  # the previous checkpoint is intact
@@ -229,24 +228,24 @@ def test_a_write_failing_on_rank0_reaches_every_wait(world, tmp_path: Path) -> N
 
 
 def _rank1_dies(path: str) -> tuple[str, str, float]:
-    import fsdptk._engine.gather as engine
+    from _patching import wrapped_send_local
+
     from fsdptk import save_safetensors_async
 
     model = _model()
-    inner, calls = engine._plain_local, [0]
+    calls = [0]
 
-    def dies(t: torch.Tensor) -> torch.Tensor:
-        calls[0] += 1
-        if dist.get_rank() == 1 and calls[0] == 3:
-            os._exit(3)  # killed (out of memory, preempted) in the middle of the background save
-        return inner(t)
+    def dies(inner):
+        def read(layout):
+            calls[0] += 1
+            if dist.get_rank() == 1 and calls[0] == 3:
+                os._exit(3)  # killed (out of memory, preempted) in the middle of the background save
+            return inner(layout)
+        return read
 
-    engine._plain_local = dies
-    try:
+    with wrapped_send_local(dies):
         pending = save_safetensors_async(model, path, bucket_bytes=600)
         return _wait_error(pending)
-    finally:
-        engine._plain_local = inner
 
 
 def test_a_killed_rank_reaches_the_survivors_wait(world, tmp_path: Path) -> None:

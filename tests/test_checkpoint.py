@@ -21,7 +21,6 @@ from torch import nn
 
 from fsdptk._files.safetensors_writer import ShardedWriter
 from fsdptk.checkpoint import (
-    CheckpointError,
     SafetensorsCheckpoint,
     dcp_to_safetensors,
     load_dcp,
@@ -31,6 +30,7 @@ from fsdptk.checkpoint import (
     save_dcp,
     save_safetensors,
 )
+from fsdptk.errors import CheckpointError
 from fsdptk.testing import RemoteError
 from fsdptk.testing.strategies import build_module, module_specs, random_state_dict
 

@@ -6,6 +6,8 @@ from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
+from _compare import tensor_diffs
+from _patching import wrapped_send_local
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -80,18 +82,16 @@ def _engine_case(cases, mode, bucket, seed):
     meta_targets = [(k, t.to("meta")) for k, t in targets]  # a model built on meta
     plan = agree(meta_targets, src, src_rank0=mode == "rank0")
     out = dict(distribute(plan, src, device="cpu", bucket_bytes=bucket, release=mode == "rank0"))
-    local_ok = all(torch.equal(out[k].to_local(), t.to_local()) and out[k].placements == t.placements
-                   for k, t in targets)
+    local_diffs = tensor_diffs(out, dict(targets))
     # shard-on-read: only this rank's box (its covering range for _StridedShard) is read
     read_ok = mode != "slices" or sum(n for _, n in src.reads) == sum(
         _covering_numel(_dtensor_box(t)) for _, t in targets)
     got = {}
     for b in collect(list(out.items()), bucket_bytes=bucket):
         got.update(b)
-    full_ok = (got == {}) if rank else all(
-        torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in fulls.items())
+    full_diffs = tensor_diffs(got, {} if rank else fulls)
     released = mode != "rank0" or src == {}
-    return local_ok, read_ok, full_ok, released
+    return local_diffs, read_ok, full_diffs, released
 
 
 _kind = st.sampled_from(["R", "S", "SS"])
@@ -116,7 +116,7 @@ def _tensor_case(draw):
 @given(cases=st.lists(_tensor_case(), min_size=1, max_size=4), mode=st.sampled_from(["local", "rank0", "slices"]),
        bucket=st.sampled_from([16, 300, 1 << 20]), seed=st.integers(0, 1000))
 def test_distribute_collect_match_dtensor(world, cases, mode, bucket, seed):
-    assert world(4).run(_engine_case, cases, mode, bucket, seed) == [(True, True, True, True)] * 4
+    assert world(4).run(_engine_case, cases, mode, bucket, seed) == [([], True, [], True)] * 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,9 +199,8 @@ def _wire_case(cases, mesh_kind, mode, bucket, seed, direct_min, nf4, lazy=False
         for k, o in out.items()
         if rank and mode == "rank0" and k != "q" and _local(o).numel()
         and _local(o).numel() * _local(o).element_size() >= direct_min)
-    full_ok = (got == {}) if rank else all(
-        torch.equal(got[k], v) and got[k].dtype == v.dtype for k, v in expect.items())
-    return local_ok, full_ok, alone_ok, load_packs, gather_packs
+    full_diffs = tensor_diffs(got, {} if rank else expect)
+    return local_ok, full_diffs, alone_ok, load_packs, gather_packs
 
 
 @st.composite
@@ -222,7 +221,7 @@ def test_zero_copy_and_packed_pieces_round_trip_exactly(world, cases, mesh_kind,
     source (buckets sized by the memory they add) or a lazy Mapping (by the full tensors read):
     every piece lands exactly, whether it travelled alone (zero-copy) or packed."""
     res = world(4).run(_wire_case, cases, mesh_kind, mode, bucket, seed, direct_min, nf4, lazy)
-    assert [r[:3] for r in res] == [(True, True, True)] * 4, res
+    assert [r[:3] for r in res] == [(True, [], True)] * 4, res
 
 
 def _zero_copy_counts(direct_min):
@@ -237,10 +236,10 @@ def test_dim0_shards_travel_without_pack_or_unpack(world):
     received into the final tensor, gathered straight into the full tensor); below it the pieces
     of a bucket are coalesced into one packed message per rank."""
     zero = world(4).run(_zero_copy_counts, 1)
-    assert [r[:3] for r in zero] == [(True, True, True)] * 4, zero
+    assert [r[:3] for r in zero] == [(True, [], True)] * 4, zero
     assert [r[3:] for r in zero] == [(0, 0)] * 4, zero  # no pack on any rank, either direction
     packed = world(4).run(_zero_copy_counts, 1 << 30)
-    assert [r[:3] for r in packed] == [(True, True, True)] * 4, packed
+    assert [r[:3] for r in packed] == [(True, [], True)] * 4, packed
     # rank 0 packs 2 pieces for each of 3 ranks; each sender packs its 2 pieces for the gather
     assert [r[3:] for r in packed] == [(6, 0), (0, 2), (0, 2), (0, 2)], packed
 
@@ -421,7 +420,6 @@ def _fail_case(mode, phase, fail_rank, fail_at, bucket):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import fsdptk._engine as engine
-    import fsdptk._engine.gather as gather
 
     mesh = init_device_mesh("cpu", (2,))
     fulls = {f"t{i}": torch.randn(4, 3, generator=torch.Generator().manual_seed(i)) for i in range(6)}
@@ -439,22 +437,21 @@ def _fail_case(mode, phase, fail_rank, fail_at, bucket):
                 src.armed = True  # from here on, reads are data reads
             dict(engine.distribute(plan, src, device="cpu", bucket_bytes=bucket))
         else:  # gather: a sender or the receiver fails, or the caller's code fails (throw)
-            inner, calls = gather._plain_local, [0]
+            calls = [0]
 
-            def flaky(t):
-                calls[0] += 1
-                if phase == "gather" and dist.get_rank() == fail_rank and calls[0] == fail_at:
-                    raise OSError("cannot read a shard")
-                return inner(t)
+            def flaky(inner):
+                def read(layout):
+                    calls[0] += 1
+                    if phase == "gather" and dist.get_rank() == fail_rank and calls[0] == fail_at:
+                        raise OSError("cannot read a shard")
+                    return inner(layout)
+                return read
 
-            gather._plain_local = flaky
-            try:
+            with wrapped_send_local(flaky):
                 buckets = engine.collect(targets, bucket_bytes=bucket)
                 for n, _ in enumerate(buckets, start=1):
                     if phase == "caller" and dist.get_rank() == fail_rank and n == fail_at:
                         buckets.throw(OSError("the caller's write failed"))
-            finally:
-                gather._plain_local = inner
     except OSError as e:
         return "OSError", str(e), time.monotonic() - t0
     return "no error", "", time.monotonic() - t0
@@ -470,7 +467,7 @@ def test_any_failure_point_is_the_same_error_on_every_rank(world, mode, phase, f
                        return_exceptions=True)
     from fsdptk._engine.wire import buckets as _buckets
 
-    # data reads: 6 shards + the plain tensor; _plain_local calls: rank 0 places its 6 shards and
+    # data reads: 6 shards + the plain tensor; send_local calls: rank 0 places its 6 shards and
     # the plain tensor, rank 1 packs its 6 shards; the caller sees one bucket per bucket
     limit = {"load": 7, "gather": 7 if fail_rank == 0 else 6,
              "caller": len(_buckets([48] * 6 + [20], bucket))}[phase]

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _patching import wrapped_send_local
 from torch import nn
 
 from fsdptk.testing import RemoteError
@@ -183,25 +184,25 @@ def test_full_sd_none_on_one_rank_is_a_type_error_on_every_rank(world) -> None:
 
 
 def _load_via_files(path: str) -> tuple[str, str, float, bool]:
-    import fsdptk.checkpoint as ckpt
     from fsdptk import load_safetensors
+    from fsdptk._engine.sources import RenamedSource
 
     model = _model()
-    inner = ckpt._ModelView.read
+    inner = RenamedSource.read
     reads = [0]
 
     def flaky(self: Any, key: str, box: Any = None) -> torch.Tensor:
-        if box is not None:  # a shard-on-read slice read
+        if box is not None and not isinstance(self.mapping, RenamedSource):  # a slice of the file
             reads[0] += 1
             if dist.get_rank() == 1 and reads[0] == 3:
                 raise OSError("read failed: stale file handle")
         return inner(self, key, box)
 
-    ckpt._ModelView.read = flaky
+    RenamedSource.read = flaky  # the checkpoint under model names (and the tied-alias view over it)
     try:
         res = _timed(load_safetensors, model, path, shard_on_read=True, device="cpu", bucket_bytes=300)
     finally:
-        ckpt._ModelView.read = inner
+        RenamedSource.read = inner
     return (*res, _untouched(model))
 
 
@@ -224,23 +225,21 @@ def _loaded_model() -> nn.Module:
 
 
 def _gather_failing(fail_rank: int) -> tuple[str, str, float, bool]:
-    import fsdptk._engine.gather as engine
     from fsdptk import gather_cpu_state_dict
 
     model = _loaded_model()
-    inner, calls = engine._plain_local, [0]
+    calls = [0]
 
-    def flaky(t: torch.Tensor) -> torch.Tensor:
-        calls[0] += 1
-        if dist.get_rank() == fail_rank and calls[0] == 3:
-            raise RuntimeError("device-side fault while reading a shard")
-        return inner(t)
+    def flaky(inner):
+        def read(layout: Any) -> torch.Tensor:
+            calls[0] += 1
+            if dist.get_rank() == fail_rank and calls[0] == 3:
+                raise RuntimeError("device-side fault while reading a shard")
+            return inner(layout)
+        return read
 
-    engine._plain_local = flaky
-    try:
+    with wrapped_send_local(flaky):
         res = _timed(gather_cpu_state_dict, model, dist.get_rank() == 0, bucket_bytes=300)
-    finally:
-        engine._plain_local = inner
     return (*res, True)
 
 
@@ -272,13 +271,12 @@ def test_caller_leaving_the_gather_lets_the_others_raise(world) -> None:
 
 
 def _save_failing(path: str) -> tuple[tuple[str, str, float, bool], int]:
-    import fsdptk._engine.gather as engine
     from fsdptk import save_safetensors
     from fsdptk._files.safetensors_writer import ShardedWriter
 
     model = _loaded_model()
     inner, calls = ShardedWriter.write, [0]
-    inner_read, reads = engine._plain_local, [0]
+    reads = [0]
 
     def flaky(self: Any, key: str, tensor: torch.Tensor) -> int:
         calls[0] += 1
@@ -286,15 +284,18 @@ def _save_failing(path: str) -> tuple[tuple[str, str, float, bool], int]:
             raise OSError(28, "No space left on device")
         return inner(self, key, tensor)
 
-    def counted(t: torch.Tensor) -> torch.Tensor:
-        reads[0] += 1
-        return inner_read(t)
+    def counted(inner_read):
+        def read(layout: Any) -> torch.Tensor:
+            reads[0] += 1
+            return inner_read(layout)
+        return read
 
-    ShardedWriter.write, engine._plain_local = flaky, counted
+    ShardedWriter.write = flaky
     try:
-        res = _timed(save_safetensors, model, path, bucket_bytes=300, max_shard_size=600)
+        with wrapped_send_local(counted):
+            res = _timed(save_safetensors, model, path, bucket_bytes=300, max_shard_size=600)
     finally:
-        ShardedWriter.write, engine._plain_local = inner, inner_read
+        ShardedWriter.write = inner
     return (*res, True), reads[0]
 
 
@@ -311,9 +312,7 @@ def test_writer_failing_inside_save_safetensors_raises_on_every_rank(world, tmp_
 # ----------------------------------------------------------------------------------------------
 # optimizer pair
 def _optim_failing(phase: str) -> tuple[str, str, float, bool]:
-    import fsdptk._engine as engine
-    import fsdptk._engine.gather
-    import fsdptk._engine.scatter  # noqa: F401 - the modules patched below
+    import fsdptk._engine.scatter as scatter
     from fsdptk import get_full_optimizer_state_dict, load_from_full_optimizer_state_dict
 
     model = _loaded_model()
@@ -327,31 +326,29 @@ def _optim_failing(phase: str) -> tuple[str, str, float, bool]:
         res = _timed(load_from_full_optimizer_state_dict, model, fresh,
                      None if dist.get_rank() == 1 else osd, "cpu", broadcast_from_rank0=False)
         return (*res, not fresh.state)
-    name = "_rank0_pieces" if phase == "load_scatter" else "_plain_local"
-    engine = engine.scatter if phase == "load_scatter" else engine.gather
-    inner, calls = getattr(engine, name), [0]
+    calls = [0]
 
-    def flaky(*args: Any) -> Any:
-        calls[0] += 1
-        if dist.get_rank() == (0 if phase == "load_scatter" else 1) and calls[0] == 3:
-            raise MemoryError("cannot allocate the state bucket")
-        return inner(*args)
+    def flaky(inner):
+        def call(*args: Any) -> Any:
+            calls[0] += 1
+            if dist.get_rank() == (0 if phase == "load_scatter" else 1) and calls[0] == 3:
+                raise MemoryError("cannot allocate the state bucket")
+            return inner(*args)
+        return call
 
     if phase == "load_scatter":
         osd = get_full_optimizer_state_dict(model, opt, rank0)
         fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
-        setattr(engine, name, flaky)
+        inner = scatter._rank0_pieces
+        scatter._rank0_pieces = flaky(inner)
         try:
             res = _timed(load_from_full_optimizer_state_dict, model, fresh, osd if rank0 else {},
                          "cpu", broadcast_from_rank0=True, bucket_bytes=300)
         finally:
-            setattr(engine, name, inner)
+            scatter._rank0_pieces = inner
         return (*res, not fresh.state)
-    setattr(engine, name, flaky)
-    try:
+    with wrapped_send_local(flaky):
         res = _timed(get_full_optimizer_state_dict, model, opt, rank0, bucket_bytes=300)
-    finally:
-        setattr(engine, name, inner)
     return (*res, True)
 
 

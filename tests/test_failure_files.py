@@ -35,10 +35,9 @@ from torch import nn
 
 import fsdptk._files.commit as commit
 from fsdptk._files.common import rename_keys
-from fsdptk._files.lock import CheckpointLockedError, DirectoryLock
+from fsdptk._files.lock import DirectoryLock
 from fsdptk._files.safetensors_writer import ShardedWriter
 from fsdptk.checkpoint import (
-    CheckpointError,
     SafetensorsCheckpoint,
     dcp_to_safetensors,
     load_dcp,
@@ -48,6 +47,7 @@ from fsdptk.checkpoint import (
     save_safetensors,
 )
 from fsdptk.cli import main
+from fsdptk.errors import CheckpointError, CheckpointLockedError
 from fsdptk.testing import RemoteError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -342,16 +342,39 @@ def test_single_file_is_preferred_to_a_stale_index(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # 5. crash-safe commits, every step
-def _snapshots(monkeypatch, root: Path, where: str = "dir") -> list[tuple[str, Path]]:
-    """Install a step hook copying the directory (or its parent) at every commit step."""
+def _snapshots(monkeypatch, root: Path, watch: Path) -> list[tuple[str, Path]]:
+    """Copy ``watch`` after every change a commit makes in it, as a crash right there would leave
+    it: the file-system calls of ``fsdptk._files.commit`` (renames, the swap, deletions) are wrapped
+    for the test. Each copy is named by the commit step that change is."""
     shots: list[tuple[str, Path]] = []
 
-    def hook(name: str, d: Path) -> None:
-        dst = root / f"{len(shots):02d}-{name}"
-        shutil.copytree(d, dst, symlinks=True)
-        shots.append((name, dst))
+    def shot(name: str, d: Path) -> None:
+        if Path(d) == watch:
+            dst = root / f"{len(shots):02d}-{name}"
+            shutil.copytree(d, dst, symlinks=True)
+            shots.append((name, dst))
 
-    monkeypatch.setattr(commit, "_STEP_HOOK", hook)
+    def moved(src, dst) -> str:
+        name = Path(dst).name
+        if name.endswith(".fsdptk-commit.json"):
+            return "journal-written"
+        if name.endswith(".safetensors.index.json"):
+            return "index-committed"
+        return "old-moved-aside" if ".fsdptk-old-" in name else "renamed"
+
+    def after(fn, name, where):
+        def wrapped(*args):
+            out = fn(*args)
+            if out is not False:  # exchange: False when nothing changed
+                shot(name(*args) if callable(name) else name, where(*args))
+            return out
+        return wrapped
+
+    monkeypatch.setattr(os, "replace", after(os.replace, moved, lambda src, dst: Path(dst).parent))
+    monkeypatch.setattr(os, "rename", after(os.rename, moved, lambda src, dst: Path(dst).parent))
+    monkeypatch.setattr(commit, "exchange", after(commit.exchange, "exchanged", lambda a, b: Path(b).parent))
+    monkeypatch.setattr(commit, "_delete", after(commit._delete, "old-deleted", lambda d, names, prefix: d))
+    monkeypatch.setattr(commit, "_remove_tree", after(commit._remove_tree, "old-deleted", lambda p: p.parent))
     return shots
 
 
@@ -364,11 +387,14 @@ def test_sharded_save_killed_at_every_step_loads_old_or_new(tmp_path: Path, monk
     old, new, newer = _sd(1.0), _sd(100.0), _sd(-5.0)
     _write(d, old, old_size)
     (d / "config.json").write_text('{"model_type": "x"}')
-    shots = _snapshots(monkeypatch, tmp_path / "shots")
-    _write(d, new, new_size)
-    monkeypatch.setattr(commit, "_STEP_HOOK", None)
+    with monkeypatch.context() as patch:
+        shots = _snapshots(patch, tmp_path / "shots", d)
+        _write(d, new, new_size)
     assert _same(_read(d), new)
-    assert shots[0][0] == "journal-written" and shots[-1][0] == "old-deleted"
+    index_file = d / "model.safetensors.index.json"
+    files = len(set(json.loads(index_file.read_text())["weight_map"].values())) if index_file.exists() else 1
+    assert [n for n, _ in shots] == ["journal-written", *["renamed"] * files,
+                                     *(["index-committed"] if index_file.exists() else []), "old-deleted"]
     for name, shot in shots:
         got = _read(shot)
         assert _same(got, old) or _same(got, new), name
@@ -388,12 +414,15 @@ def test_a_sigkilled_writer_leaves_a_loadable_directory(tmp_path: Path) -> None:
     script = f"""
 import os, signal, sys, torch
 sys.path.insert(0, {str(REPO)!r})
-import fsdptk._files.commit as commit
 from fsdptk._files.safetensors_writer import ShardedWriter
-def hook(name, d):
-    if name == "renamed-1":
-        os.kill(os.getpid(), signal.SIGKILL)
-commit._STEP_HOOK = hook
+replace, shards = os.replace, []
+def killed_after_the_second_shard_rename(src, dst):
+    replace(src, dst)
+    if os.path.basename(dst).startswith("model-"):
+        shards.append(dst)
+        if len(shards) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+os.replace = killed_after_the_second_shard_rename
 sd = {{f"layers.{{i}}.weight": torch.full((4, 8), 100.0 + i) for i in range(4)}}
 w = ShardedWriter({str(d)!r}, [(k, v.dtype, v.shape) for k, v in sd.items()], max_shard_size=300)
 for k, v in sd.items():
@@ -418,9 +447,9 @@ def test_save_dcp_killed_at_every_step_keeps_a_checkpoint(tmp_path: Path, monkey
     save_dcp(old, path, extra={"v": "old"})
     if not exchange:
         monkeypatch.setattr(commit, "exchange", lambda a, b: False)
-    shots = _snapshots(monkeypatch, tmp_path / "shots")
-    save_dcp(new, path, extra={"v": "new"})
-    monkeypatch.setattr(commit, "_STEP_HOOK", None)
+    with monkeypatch.context() as patch:
+        shots = _snapshots(patch, tmp_path / "shots", root)
+        save_dcp(new, path, extra={"v": "new"})
     names = [n for n, _ in shots]
     expected = ["exchanged"] if exchange else ["old-moved-aside", "renamed"]
     assert names == expected + ["old-deleted"]
@@ -539,11 +568,12 @@ def test_stale_temporary_files_are_cleaned_by_the_next_save(tmp_path: Path) -> N
     for fh in killed._handles.values():
         fh.close()
     del killed  # a writer that never committed nor aborted (its process died)
-    (d / ".model-00001-of-00002.safetensors.1a2b3c4d.tmp").write_bytes(b"old fsdptk temp")
     (d / ".notes.tmp").write_text("the user's")
+    (d / ".model-00001-of-00002.safetensors.1a2b3c4d.tmp").write_text("not a name fsdptk writes")
     assert [p for p in os.listdir(d) if "fsdptk-" in p]
     save_safetensors(nn.Linear(4, 2), d)
-    assert sorted(os.listdir(d)) == [".notes.tmp", "model.safetensors"]
+    assert sorted(os.listdir(d)) == [".model-00001-of-00002.safetensors.1a2b3c4d.tmp", ".notes.tmp",
+                                     "model.safetensors"]
     # DCP: a failed save removes its staging directory; stale ones are removed by the next save
     with torch.device("meta"):
         broken = nn.Linear(2, 2)
@@ -551,10 +581,11 @@ def test_stale_temporary_files_are_cleaned_by_the_next_save(tmp_path: Path) -> N
         save_dcp(broken, tmp_path / "step")
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     (tmp_path / ".step.fsdptk-stage-0123456789ab").mkdir()
-    (tmp_path / ".step.dcp-tmp").mkdir()
+    (tmp_path / ".step.dcp-tmp").mkdir()  # not a name fsdptk writes: kept
     (tmp_path / ".other.fsdptk-stage-0123456789ab").mkdir()
     save_dcp(nn.Linear(2, 2), tmp_path / "step")
-    assert sorted(os.listdir(tmp_path)) == [".other.fsdptk-stage-0123456789ab", "ckpt", "step"]
+    assert sorted(os.listdir(tmp_path)) == [".other.fsdptk-stage-0123456789ab", ".step.dcp-tmp", "ckpt",
+                                            "step"]
 
 
 # ----------------------------------------------------------------------------------------------

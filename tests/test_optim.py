@@ -298,7 +298,7 @@ def _make_case(spec, seed, kind, assign, frozen, lrs):
             p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
     opt = _OPTIMIZERS[kind](_groups_by_fqn(model, assign, lrs, reverse=False))
     opt.step()
-    return to_fqn_optimizer_state_dict(model, opt.state_dict(), opt=opt)
+    return to_fqn_optimizer_state_dict(model, opt.state_dict(), optimizer=opt)
 
 
 def _round_trip(spec, seed, names, layout, kind, assign, frozen, lrs, osd, bcast, bucket):
@@ -635,12 +635,11 @@ def test_state_held_in_plain_dicts_is_known_to_the_engine_as_held():
     dim-0 shards in one bucket; state behind another Mapping is read bucket by bucket."""
     from types import MappingProxyType
 
-    from fsdptk._engine.sources import as_source
-    from fsdptk._plans.optim_layout import StateSource
+    from fsdptk._engine.sources import NestedSource
 
     t = torch.ones(4, 2)
     rows = [("state.w.exp_avg", "w", "exp_avg")]
-    assert as_source(StateSource({"w": {"exp_avg": t}}, rows)).meta("state.w.exp_avg").held_on == "cpu"
+    assert NestedSource({"w": {"exp_avg": t}}, rows).meta("state.w.exp_avg").held_on == "cpu"
     for state in ({"w": MappingProxyType({"exp_avg": t})}, MappingProxyType({"w": {"exp_avg": t}}),
                   {"w": {"exp_avg": t.t()}}):  # not a plain dict, or not contiguous
-        assert as_source(StateSource(state, rows)).meta("state.w.exp_avg").held_on is None
+        assert NestedSource(state, rows).meta("state.w.exp_avg").held_on is None

@@ -26,8 +26,8 @@ from fsdptk import (
     get_shard_conditions,
     shard_model,
 )
+from fsdptk.errors import ShardConditionError
 from fsdptk.predicates import any_of, by_glob, by_name, by_type, clean_fqn, layers, not_
-from fsdptk.sharding import ShardConditionError
 from fsdptk.testing import RemoteError
 from fsdptk.testing.strategies import TestBlock, build_module, module_specs
 

@@ -64,11 +64,6 @@ def _collect_view(t: object, rank: int) -> _ItemView:
     return _ItemView(layout, layout.send_box(rank), None)
 
 
-def _plain_local(layout: Layout) -> torch.Tensor:
-    """The local tensor a sender sends (NF4 dequantised)."""
-    return layout.send_local()
-
-
 def collect(
     items: Iterable[tuple[str, torch.Tensor]],
     *,
@@ -230,7 +225,7 @@ def _collect_pack(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], 
     off, alone = 0, []
     for i in mine:
         try:
-            local = _plain_local(layouts[i])
+            local = layouts[i].send_local()
             if direct[i]:
                 alone.append(local.to(comm).contiguous())
             elif buf is not None:
@@ -271,7 +266,7 @@ def _collect_own(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], b
             box = boxes[i]
             if box is not None:
                 name = items[i][0]
-                place(fulls[i], box, _plain_local(layouts[i]).cpu())
+                place(fulls[i], box, layouts[i].send_local().cpu())
     except Exception as exc:  # noqa: BLE001 - agreed at the next boundary
         status.fail(exc, f"reading its shard of {name!r}")
 

@@ -14,11 +14,16 @@ holds the whole tensor in memory (reading it allocates nothing), see :func:`hold
 :class:`MappingSource` adapts a Mapping of full tensors (a dict, a lazy Mapping). A Mapping whose
 values are read through safetensors-style slice objects (``get_slice(key)``) is adapted by
 :class:`SliceSource` (shard-on-read: only the region of a box is read).
+
+Views built by the public functions over what their caller passes (each once, at the call):
+:class:`RenamedSource` (a Mapping under other keys: a checkpoint under the model's names, a tied
+group under its canonical key through :func:`aliased`) and :class:`NestedSource` (a Mapping of
+Mappings under flat names: the optimizer's saved state).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -229,3 +234,143 @@ class SliceSource(MappingSource):
         if box is None:
             return super().read(key)
         return extract(self.mapping.get_slice(key), box)
+
+
+# ----------------------------------------------------------------------------------------------
+# views: a caller's Mapping seen under other keys (built once, by the public function that takes it)
+def release_keeping_key(mapping: Any, key: str) -> None:
+    """torchtune's ``release_sd`` contract: free the entry's memory but keep its key.
+
+    The value becomes a ``meta`` tensor of the same shape and dtype (no storage), so the caller's
+    dict keeps every key it had (torchtune's LoRA recipe tests ``not state_dict`` afterwards) while
+    the full tensor can be freed. A mapping that cannot be assigned to is left as it is.
+    """
+    value = mapping[key]
+    if not isinstance(value, torch.Tensor) or value.is_meta:
+        return
+    try:
+        mapping[key] = torch.empty(value.shape, dtype=value.dtype, device="meta")
+    except (TypeError, NotImplementedError, AttributeError):
+        pass
+
+
+class RenamedSource(Mapping[str, Any]):
+    """A Mapping seen under other keys, as a source: key ``k`` is the entry ``names[k]`` of
+    ``mapping`` (read through ``as_source(mapping)``, so shard-on-read where the mapping allows).
+
+    One adapter for every renaming view: the keys of a checkpoint under the model's names
+    (``load_safetensors``' ``rename``), and a tied-parameter group under its canonical key
+    (:func:`aliased`).
+
+    Args:
+        mapping: the caller's Mapping (or a source that is also a Mapping).
+        names: key of this view -> key of ``mapping``, in this view's key order.
+        released: key -> the keys of ``mapping`` that ``release(key)`` frees (default: ``[names[key]]``).
+        release: how one entry of ``mapping`` is freed (``None``: never; the mapping is read-only).
+        on_read: called with the key after each successful read (progress accounting).
+    """
+
+    def __init__(self, mapping: Mapping[str, Any], names: Mapping[str, str], *,
+                 released: Mapping[str, list[str]] | None = None,
+                 release: Callable[[Any, str], None] | None = None,
+                 on_read: Callable[[str], None] | None = None) -> None:
+        self.mapping, self.names = mapping, names
+        self._inner = as_source(mapping)
+        self._released = released or {}
+        self._release, self._on_read = release, on_read
+
+    def __getitem__(self, key: str) -> Any:
+        out = self.mapping[self.names[key]]
+        if self._on_read is not None:
+            self._on_read(key)
+        return out
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def meta(self, key: str) -> TensorMeta:
+        """Shape and dtype of ``key`` (its entry's, through the inner source)."""
+        return self._inner.meta(self.names[key])
+
+    def read(self, key: str, box: Box | None = None) -> torch.Tensor:
+        """``key``'s full tensor, or its piece at ``box`` (shard-on-read when the source can)."""
+        out = self._inner.read(self.names[key], box)
+        if self._on_read is not None:
+            self._on_read(key)
+        return out
+
+    def release(self, key: str) -> None:
+        """Free ``key``'s entries of ``mapping`` (all of a tied group's) with ``release``."""
+        if self._release is None:
+            return
+        for k in self._released.get(key, [self.names.get(key, key)]):
+            if k in self.mapping:
+                self._release(self.mapping, k)
+
+
+def aliased(mapping: Mapping[str, Any], aliases: Mapping[str, str]) -> RenamedSource:
+    """The caller's full state dict seen through tied-parameter aliases: a tied group is one key.
+
+    A group (``embed.weight`` / ``head.weight``, ``aliases`` maps each alias to its canonical key)
+    is read from its canonical key, or from the first alias the mapping stores when it lacks that
+    one; alias keys are not keys of the view (so not unexpected) and are released with the
+    canonical key, keeping their keys (:func:`release_keeping_key`).
+    """
+    group: dict[str, list[str]] = {}
+    for alias, canon in aliases.items():
+        group.setdefault(canon, [canon]).append(alias)
+    stored = {canon: next((k for k in keys if k in mapping), canon) for canon, keys in group.items()}
+    names: dict[str, str] = {}
+    for k in mapping:
+        of = aliases.get(k)
+        if of is None:
+            names[k] = stored.get(k, k)
+        elif of not in mapping and stored[of] == k:
+            names[of] = k  # the mapping stores only an alias: it stands for the group
+    return RenamedSource(mapping, names, released=group, release=release_keeping_key)
+
+
+class _Nested(Mapping[str, Any]):
+    """``outer[a][b]`` under flat names (``where[name] == (a, b)``); ``del`` deletes ``outer[a][b]``."""
+
+    def __init__(self, outer: Mapping[str, Mapping[Any, Any]], where: Mapping[str, tuple[str, Any]]) -> None:
+        self._outer, self._where = outer, where
+
+    def __getitem__(self, name: str) -> Any:
+        a, b = self._where[name]
+        return self._outer[a][b]
+
+    def __contains__(self, name: object) -> bool:
+        where = self._where.get(name) if isinstance(name, str) else None
+        return where is not None and where[1] in self._outer.get(where[0], {})
+
+    def __iter__(self) -> Iterator[str]:
+        return (n for n in self._where if n in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __delitem__(self, name: str) -> None:
+        a, b = self._where[name]
+        del self._outer[a][b]  # type: ignore[attr-defined]  # the caller's inner dicts (a Mapping type)
+
+    def holds(self, name: str) -> bool:
+        """Whether ``self[name]`` is held in plain dicts (:func:`holds_value` at both levels)."""
+        a, b = self._where[name]
+        return holds_value(self._outer, a) and holds_value(self._outer[a], b)
+
+
+class NestedSource(MappingSource):
+    """Tensors of a Mapping of Mappings under flat names, as a source: ``name`` is
+    ``outer[a][b]`` for each ``(name, a, b)`` of ``rows`` (the optimizer's saved per-parameter
+    state as ``state.<fqn>.<key>``). Release deletes the inner entry (the caller's dicts); values
+    held in plain dicts count as held (bucket sizing)."""
+
+    def __init__(self, outer: Mapping[str, Mapping[Any, Any]], rows: Iterable[tuple[str, str, Any]]) -> None:
+        super().__init__(_Nested(outer, {name: (a, b) for name, a, b in rows}))

@@ -36,30 +36,19 @@ import os
 import re
 import shutil
 import stat
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from fsdptk._files.paths import plain_name
 
 __all__ = [
-    "step", "fsync_dir", "tmp_name", "shard_pattern", "journal_path", "commit_files",
+    "fsync_dir", "tmp_name", "shard_pattern", "journal_path", "commit_files",
     "recover_safetensors", "exchange", "dcp_names", "recover_dcp", "dcp_backup", "swap_in_dcp",
 ]
 
-# Tests set this to observe the directory at every commit step (e.g. copy it as a crash would leave it).
-_STEP_HOOK: Callable[[str, Path], None] | None = None
-
 _TMP_RE = re.compile(r"^\.(?P<name>.+)\.fsdptk-(?P<token>[0-9a-f]{8,32})\.tmp$")
-# what fsdptk versions before the journal named their temporary shards
-_LEGACY_TMP_RE = re.compile(r"^\..+\.safetensors(?:\.index\.json)?\.[0-9a-f]{8}\.tmp$")
 INDEX_SUFFIX = ".safetensors.index.json"
-
-
-def step(name: str, where: Path) -> None:
-    """Mark a commit step (a no-op unless a test installed ``_STEP_HOOK``)."""
-    if _STEP_HOOK is not None:
-        _STEP_HOOK(name, where)
 
 
 def fsync_dir(directory: Path) -> None:
@@ -159,18 +148,14 @@ def commit_files(directory: Path, prefix: str, token: str, renames: Sequence[tup
                "delete": old_files(directory, prefix, new + ([index[1]] if index else []))}
     jpath = journal_path(directory, prefix)
     _write_json(jpath, journal, token)
-    step("journal-written", directory)
-    for i, (tmp, final) in enumerate(renames):
+    for tmp, final in renames:
         os.replace(directory / tmp, directory / final)
-        step(f"renamed-{i}", directory)
     fsync_dir(directory)
     if index is not None:
         os.replace(directory / index[0], directory / index[1])
         fsync_dir(directory)
-        step("index-committed", directory)
     _delete(directory, journal["delete"], prefix)
     fsync_dir(directory)
-    step("old-deleted", directory)
     jpath.unlink(missing_ok=True)
     fsync_dir(directory)
 
@@ -207,7 +192,7 @@ def recover_safetensors(directory: Path, prefix: str) -> None:
         elif journal.get("sharded"):  # not committed: the new shard names did not exist before
             _delete(directory, [str(n) for n in journal.get("new", [])], prefix)
     for p in directory.iterdir():
-        if _TMP_RE.match(p.name) or _LEGACY_TMP_RE.match(p.name):
+        if _TMP_RE.match(p.name):
             try:
                 if stat.S_ISREG(os.lstat(p).st_mode):
                     p.unlink()
@@ -285,16 +270,13 @@ def dcp_backup(path: Path) -> Path | None:
 
 def recover_dcp(path: Path) -> None:
     """Restore a DCP checkpoint a killed save left under its backup name; delete stale staging and
-    backup directories of ``path`` (and the fixed names older fsdptk versions used). Lock held."""
+    backup directories of ``path``. Lock held."""
     names = dcp_names(path)
     backup = dcp_backup(path)
     if backup is not None:
         os.rename(backup, path)
         fsync_dir(path.parent)
-    stale = _siblings(path, names["stage"]) + _siblings(path, names["old"])
-    stale += [p for p in (path.parent / f".{path.name}.dcp-tmp", path.parent / f".{path.name}.dcp-old")
-              if p.is_dir()]
-    for p in stale:
+    for p in _siblings(path, names["stage"]) + _siblings(path, names["old"]):
         _remove_tree(p)
 
 
@@ -303,19 +285,13 @@ def swap_in_dcp(stage: Path, path: Path, token: str) -> None:
     if not os.path.lexists(path):
         os.rename(stage, path)
         fsync_dir(path.parent)
-        step("renamed", path.parent)
         return
     if exchange(stage, path):
         fsync_dir(path.parent)
-        step("exchanged", path.parent)
         _remove_tree(stage)  # now the previous checkpoint
-        step("old-deleted", path.parent)
         return
     backup = path.parent / f"{dcp_names(path)['old']}{token}"
     os.rename(path, backup)
-    step("old-moved-aside", path.parent)
     os.rename(stage, path)
     fsync_dir(path.parent)
-    step("renamed", path.parent)
     _remove_tree(backup)
-    step("old-deleted", path.parent)

@@ -21,14 +21,13 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CheckpointLockedError", "DirectoryLock"]
+from fsdptk.errors import CheckpointLockedError
+
+__all__ = ["DirectoryLock"]
 
 # a lock file with no readable holder (its writer was killed while creating it) is stale after this
 _UNREADABLE_GRACE_S = 60.0
 _HELD: set[str] = set()  # tokens of the locks this process holds now
-
-
-from fsdptk.errors import CheckpointLockedError  # noqa: E402 - re-exported (its old import path)
 
 
 def _proc_start(pid: int) -> str | None:

@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import stat
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from fsdptk._engine.sources import SAFETENSORS_DTYPES as _ST_TO_DTYPE
 from fsdptk._files.paths import plain_name, require_regular
+from fsdptk.errors import CheckpointError
 
-__all__ = ["CheckpointError", "SafetensorsCheckpoint", "parse_size"]
+__all__ = ["SafetensorsCheckpoint", "parse_size", "resolve_files", "HeaderEntry", "read_header"]
 
 INDEX_SUFFIX = ".safetensors.index.json"
 # HF shard names; fsdptk adds a save token (``.1a2b3c4d``) when the plain names are taken
@@ -35,9 +37,6 @@ _DTYPE_TO_ST: dict[torch.dtype, str] = {v: k for k, v in _ST_TO_DTYPE.items()}
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-from fsdptk.errors import CheckpointError  # noqa: E402 - re-exported (its old import path)
 
 
 def parse_size(size: int | str) -> int:
@@ -114,7 +113,7 @@ def _open(file: Path, origin: str) -> Any:
             f"{st.st_size} bytes on disk): {e}") from e
 
 
-def _resolve(path: Path) -> tuple[Path | None, list[Path]]:
+def resolve_files(path: Path) -> tuple[Path | None, list[Path]]:
     """(index file or None, safetensors files) of a checkpoint path.
 
     In a directory, ``model.safetensors`` is preferred to an index, as ``transformers`` does
@@ -193,7 +192,7 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        index, files = _resolve(self.path)
+        index, files = resolve_files(self.path)
         self.index_file = index
         self._handles: dict[Path, Any] = {}
         self._file_of: dict[str, Path] = {}
@@ -315,3 +314,59 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# headers only (``fsdptk inspect``): no tensor data is read
+class HeaderEntry(NamedTuple):
+    """One tensor of a safetensors header, checked against the file's size."""
+
+    key: str
+    code: str  # the safetensors dtype code ("BF16")
+    dtype: torch.dtype | None  # None: a code this torch does not know
+    shape: list[int]
+    nbytes: int
+
+
+def _header_entry(key: str, meta: Any, data_len: int) -> HeaderEntry:
+    """One validated header entry (ValueError naming what is wrong)."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"entry {key!r} is a JSON {type(meta).__name__}, not an object")
+    code, shape, offsets = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+    if not isinstance(code, str):
+        raise ValueError(f"entry {key!r} has no dtype")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise ValueError(f"entry {key!r} has shape {shape!r}, not a list of non-negative ints")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise ValueError(f"entry {key!r} has data_offsets {offsets!r}, not [begin, end]")
+    nbytes = offsets[1] - offsets[0]
+    if offsets[1] > data_len:
+        raise ValueError(f"entry {key!r} ends at data offset {offsets[1]} but the file holds only "
+                         f"{data_len} data bytes (truncated?)")
+    dtype = _ST_TO_DTYPE.get(code)
+    if dtype is not None and nbytes != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"entry {key!r}: {nbytes} data bytes for shape {shape} of {code} "
+                         f"({math.prod(shape) * dtype.itemsize} expected)")
+    return HeaderEntry(key, code, dtype, shape, nbytes)
+
+
+def read_header(path: Path, size: int) -> list[HeaderEntry]:
+    """Every tensor entry of the safetensors file ``path`` (a regular file of ``size`` bytes) from
+    its JSON header alone, each checked against the file size.
+
+    Raises:
+        ValueError: a header that does not fit, is not a JSON object, or an entry without a dtype,
+            a valid shape or offsets inside the file (names the entry).
+        RecursionError: a header nested too deeply for the JSON parser.
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if size < 8 or n <= 0 or n > min(100 * 2**20, size - 8):
+            raise ValueError(f"header length {n} does not fit in a {size}-byte file")
+        header = json.loads(fh.read(n))
+    if not isinstance(header, dict):
+        raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+    data_len = size - 8 - n
+    return [_header_entry(k, m, data_len) for k, m in header.items() if k != "__metadata__"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +25,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdptk._core.names import clean_fqn, tensor_groups
-from fsdptk._engine.sources import holds_value
 
 STATE, PG, PARAMS, NAMES = "state", "param_groups", "params", "param_names"
 
@@ -229,40 +228,6 @@ def plan_load(model: nn.Module, ours: list[list[tuple[str, torch.Tensor]]], full
 
 # ---------------------------------------------------------------------------------------------
 # building what the engine and opt.load_state_dict consume
-
-
-class StateSource(Mapping[str, Any]):
-    """The saved state tensors seen as ``{"state.<fqn>.<key>": tensor}`` for the engine.
-
-    ``del`` (the engine's ``release``) deletes the entry from the caller's per-parameter dict.
-    """
-
-    def __init__(self, state: Mapping[str, Mapping[Any, Any]], tensors: list[tuple[str, str, Any]]) -> None:
-        self._state = state
-        self._where = {name: (fqn, key) for name, fqn, key in tensors}
-
-    def __getitem__(self, name: str) -> Any:
-        fqn, key = self._where[name]
-        return self._state[fqn][key]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._where and self._where[name][1] in self._state.get(self._where[name][0], {})
-
-    def __iter__(self) -> Iterator[str]:
-        return (n for n in self._where if n in self)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __delitem__(self, name: str) -> None:
-        fqn, key = self._where[name]
-        del self._state[fqn][key]  # type: ignore[attr-defined]  # the caller's per-parameter dicts (a Mapping type)
-
-    def holds(self, name: str) -> bool:
-        """Whether ``self[name]`` is a tensor held in plain dicts (the engine's
-        :func:`~fsdptk._engine.sources.holds_value`: reading it allocates nothing)."""
-        fqn, _ = self._where[name]
-        return holds_value(self._state, fqn) and holds_value(self._state[fqn], self._where[name][1])
 
 
 def _fresh(value: Any) -> Any:

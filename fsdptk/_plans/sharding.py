@@ -1,7 +1,7 @@
 """Planning FSDP units without touching the model: which modules, which rule, ties, sizes.
 
 Both :func:`fsdptk.shard_model` and the dry run :func:`describe_sharding` go through
-:func:`_make_plan`, so what the dry run prints is what ``shard_model`` applies. Planning evaluates
+:func:`make_plan`, so what the dry run prints is what ``shard_model`` applies. Planning evaluates
 every condition on every module first and validates everything it can, so a bad input raises
 before any module is sharded.
 """
@@ -17,9 +17,10 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from fsdptk._core.names import clean_fqn, param_owners
+from fsdptk.errors import ShardConditionError
 from fsdptk.predicates import ShardCondition, describe_predicate
 
-__all__ = ["ShardingPlan", "UnitPlan", "describe_sharding"]
+__all__ = ["ShardingPlan", "UnitPlan", "describe_sharding", "Plan", "Unit", "make_plan", "summarise"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -126,7 +127,7 @@ def _fmt_bytes(n: int) -> str:
 
 
 @dataclass
-class _Unit:
+class Unit:
     fqns: list[str]  # clean names, sorted by registration order
     modules: list[nn.Module]  # outermost module of each name (the wrapper, if any)
     rule: str
@@ -134,14 +135,11 @@ class _Unit:
 
 
 @dataclass
-class _Plan:
-    units: list[_Unit]  # non-root, registration order
-    root: _Unit
+class Plan:
+    units: list[Unit]  # non-root, registration order
+    root: Unit
     notes: list[str] = field(default_factory=list)
     params_of: dict[int, list[nn.Parameter]] = field(default_factory=dict)  # id(unit) -> params
-
-
-from fsdptk.errors import ShardConditionError  # noqa: E402 - re-exported (its old import path)
 
 
 def _as_conditions(shard_conditions: Any) -> list[ShardCondition]:
@@ -344,7 +342,7 @@ class _Planner:
     def _order(self, fqn: str) -> int:
         return self.index.get(fqn, -1)
 
-    def plan(self) -> _Plan:
+    def plan(self) -> Plan:
         self.resolve_ties()
         groups: dict[str, list[str]] = {}
         for c in sorted(self.parent, key=self._order):
@@ -352,10 +350,10 @@ class _Planner:
         units = []
         for names in sorted(groups.values(), key=lambda g: self.index[g[0]]):
             rules = dict.fromkeys(self.rule[n] for n in names)
-            units.append(_Unit(names, [self.outer[n] for n in names], " | ".join(rules),
+            units.append(Unit(names, [self.outer[n] for n in names], " | ".join(rules),
                                self.index[names[0]]))
-        root = _Unit([""], [self.model], "root", 0)
-        plan = _Plan(units, root, self.notes)
+        root = Unit([""], [self.model], "root", 0)
+        plan = Plan(units, root, self.notes)
         by_rep = {self.find(u.fqns[0]): u for u in units}
         for pid, owners in self.owners.items():
             unit = by_rep.get(self.unit_of(owners[0][0]), root)
@@ -363,7 +361,7 @@ class _Planner:
         return plan
 
 
-def _make_plan(model: nn.Module, shard_conditions: Any) -> _Plan:
+def make_plan(model: nn.Module, shard_conditions: Any) -> Plan:
     conditions = _as_conditions(shard_conditions)
     _check_model(model)
     return _Planner(model, conditions).plan()
@@ -380,7 +378,7 @@ def _shard_numel(shape: torch.Size, world_size: int) -> int:
     return chunks[0].numel()
 
 
-def _summarise(plan: _Plan, world_size: int) -> ShardingPlan:
+def summarise(plan: Plan, world_size: int) -> ShardingPlan:
     out = []
     for unit in [*plan.units, plan.root]:
         params = plan.params_of.get(id(unit), [])
@@ -435,4 +433,4 @@ def describe_sharding(
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    return _summarise(_make_plan(model, shard_conditions), world_size)
+    return summarise(make_plan(model, shard_conditions), world_size)
