@@ -9,26 +9,31 @@ and gathering streams full tensors to rank 0 bucket by bucket. See ``docs/state_
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator, Mapping
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from fsdptk import _engine, _peft
-from fsdptk import buffers as _buffers
 from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.dist import (
-    all_gather_object,
     check_comm_device,
     check_rank_zero,
     check_type,
     is_rank0,
-    raise_problems,
 )
-from fsdptk._core.dist import world as _world
 from fsdptk._core.names import tensor_groups
-from fsdptk._engine import TensorMeta, bucket_size
+from fsdptk._engine import bucket_size
 from fsdptk._engine.sources import RenamedSource, aliased
+from fsdptk._plans.buffers import (
+    BufferView,
+    assign_buffers,
+    assign_recomputed,
+    buffer_local,
+    buffer_plan,
+    move_real_nonpersistent,
+    receive_buffers,
+)
 from fsdptk.buffers import BUFFER_INIT_HOOKS, BufferInit
 from fsdptk.errors import StateDictMismatchError
 
@@ -46,130 +51,6 @@ def _tensor_groups(model: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], di
     targets = [(keys[0], t) for t, keys in groups]
     aliases = {alias: keys[0] for _, keys in groups for alias in keys[1:]}
     return targets, aliases
-
-
-class BufferShape(NamedTuple):
-    """A non-persistent buffer's shape and dtype on one rank (what rank 0 would send it)."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
-class BufferView(NamedTuple):
-    """One rank's non-persistent buffers, exchanged with the load's metadata (``agree(extra=)``)."""
-
-    meta: dict[str, list[str]]  # module fqn -> its buffers still on meta
-    failed: dict[str, str]  # module fqn -> why no rule recomputed them
-    shapes: dict[str, BufferShape]  # buffer fqn -> shape and dtype, every non-persistent buffer
-
-
-def _meta_nonpersistent(model: nn.Module) -> dict[str, list[str]]:
-    """module fqn -> names of its non-persistent buffers that are still on ``meta``."""
-    return _buffers._meta_nonpersistent(model)
-
-
-def _buffer_local(model: nn.Module, init_buffers: BufferInit | None) -> tuple[dict[str, Any], BufferView]:
-    """This rank's recomputed meta non-persistent buffers, and its view to agree. Local only (on
-    shadows: the model does not change); the view travels in the engine's metadata agreement
-    (``agree(extra=...)``)."""
-    mine = _meta_nonpersistent(model)
-    try:
-        values, failed = _buffers._recompute(model, mine, init_buffers)
-    except Exception as e:  # noqa: BLE001 - agreed with the metadata, never left to one rank
-        values, failed = {}, {m: f"recomputing raised {type(e).__name__}: {e}" for m in mine}
-    # every non-persistent buffer's (shape, dtype): what rank 0 would send and each rank receive
-    shapes = {_buffers._fqn(mod_name, name): BufferShape(tuple(buf.shape), buf.dtype)
-              for mod_name, mod in model.named_modules()
-              for name in getattr(mod, "_non_persistent_buffers_set", ())
-              if (buf := mod._buffers.get(name)) is not None}
-    return values, BufferView(mine, failed, shapes)
-
-
-def _buffer_plan(model: nn.Module, broadcast_from_rank0: bool, init_buffers: BufferInit | None,
-                 local: tuple[dict[str, Any], BufferView] | None = None, views: list[BufferView] | None = None,
-                 ) -> tuple[dict[str, Any], list[str]]:
-    """Decide, identically on every rank, how meta non-persistent buffers get their values.
-
-    Each rank recomputes the values of its own meta buffers through the rules of
-    :mod:`fsdptk.buffers` (:func:`_buffer_local`); every rank's view (``views``: already agreed
-    with the load's metadata, else one object all-gather here) then decides: a module no rule
-    covers on some rank is sent from rank 0 when ``broadcast_from_rank0`` and rank 0 holds real
-    values, else it is a ValueError raised on every rank, naming the buffers, why each rule did
-    not apply and the remedies.
-
-    Returns (module fqn -> recomputed values for this rank, fqns of buffers to send from rank 0).
-    """
-    world, _ = _world()
-    values, view = local if local is not None else _buffer_local(model, init_buffers)
-    if views is None:
-        views = all_gather_object(view) if world > 1 else [view]
-    failures: dict[str, str] = {}
-    for v in views:
-        for mod_name, msg in v.failed.items():
-            failures.setdefault(mod_name, msg)
-    send, problems = [], []
-    rank0_meta = views[0].meta
-    for mod_name in sorted(failures):
-        names = sorted({b for v in views for b in v.meta.get(mod_name, [])})
-        rank0_real = not set(names) & set(rank0_meta.get(mod_name, []))
-        if names and broadcast_from_rank0 and rank0_real and world > 1 and init_buffers is None:
-            send += [_buffers._fqn(mod_name, n) for n in names]
-            values.pop(mod_name, None)  # every rank takes rank 0's values
-        else:
-            problems.append(("ValueError", f"{failures[mod_name]}. Remedies: "
-                             f"{_buffers._remedies(broadcast=True)}"))
-    raise_problems(problems, "cannot initialise the non-persistent buffers")
-    return values, send
-
-
-def _receive_buffers(model: nn.Module, fqns: list[str], device: torch.device, views: list[BufferView],
-                     ) -> dict[str, torch.Tensor]:
-    """Rank 0's real values of meta non-persistent buffers -> every rank (scattered by the engine).
-
-    No second object exchange: every rank's buffer shapes and dtypes came with the load's one
-    metadata exchange (``views``), so every rank checks them alike and builds the same plan.
-    Returns fqn -> value; nothing is assigned here (the caller assigns once every transfer of the
-    load has succeeded). The engine's generator is exhausted: its last steps wait for rank 0's
-    sends (stopping early left them pending and hung the next collective).
-
-    Raises:
-        ValueError: on every rank, when a buffer's shape differs between ranks, a rank lacks it, or
-            rank 0's floating values would go into an integer buffer (names the buffer and ranks).
-    """
-    if not fqns:
-        return {}
-    problems = []
-    for fqn in fqns:
-        found = [v.shapes.get(fqn) for v in views]
-        absent = [r for r, s in enumerate(found) if s is None]
-        if absent:
-            problems.append(("ValueError", f"non-persistent buffer {fqn!r} is not registered on ranks {absent}"))
-            continue
-        seen = [s for s in found if s is not None]
-        rank0 = seen[0]
-        differ = [r for r, s in enumerate(seen) if s.shape != rank0.shape]
-        if differ:
-            problems.append(("ValueError", f"non-persistent buffer {fqn!r}: shape {list(rank0.shape)} on rank 0, "
-                             f"{[list(seen[r].shape) for r in differ]} on ranks {differ}"))
-        ints = [r for r, s in enumerate(seen) if rank0.dtype.is_floating_point and not s.dtype.is_floating_point]
-        if ints:
-            problems.append(("ValueError", f"non-persistent buffer {fqn!r}: cannot load rank 0's {rank0.dtype} into "
-                             f"the {seen[ints[0]].dtype} buffer of ranks {ints}"))
-    raise_problems(problems, "cannot send the non-persistent buffers from rank 0")
-    modules = dict(model.named_modules())
-    owners = [(modules[f.rpartition(".")[0]], f.rpartition(".")[2]) for f in fqns]
-    targets = [(f, mod._buffers[n]) for f, (mod, n) in zip(fqns, owners)]
-    source = dict(targets) if is_rank0() else {}
-    metas = {f: TensorMeta(*views[0].shapes[f]) for f in fqns}
-    plan = _engine.LoadPlan.replicated(targets, metas)
-    return dict(_engine.distribute(plan, source, device=device))
-
-
-def _assign_buffers(model: nn.Module, received: Mapping[str, torch.Tensor]) -> None:
-    modules = dict(model.named_modules())
-    for fqn, value in received.items():
-        mod_name, _, name = fqn.rpartition(".")
-        modules[mod_name]._buffers[name] = value
 
 
 def _check_strict(model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
@@ -278,7 +159,7 @@ def load_from_full_model_state_dict(
         # a PEFT model reads a plain base checkpoint under its own keys (fsdptk._peft)
         viewed = _peft.base_view(model, {} if full_sd is None else full_sd)
         source = aliased(viewed, aliases)
-        buffers_local = _buffer_local(model, init_buffers)
+        buffers_local = buffer_local(model, init_buffers)
     except Exception as e:  # noqa: BLE001 - agreed by the exchange just below
         error, targets, source, buffers_local = e, [], RenamedSource({}, {}), ({}, BufferView({}, {}, {}))
         viewed = {}
@@ -291,9 +172,9 @@ def load_from_full_model_state_dict(
     missing = _peft.without_left_adapters(viewed, missing)
     if strict:
         _check_strict(model, missing, plan.unexpected)
-    recomputed, send = _buffer_plan(model, broadcast_from_rank0, init_buffers, buffers_local, plan.extras)
+    recomputed, send = buffer_plan(model, broadcast_from_rank0, init_buffers, buffers_local, plan.extras)
     # rank 0's buffers first, kept aside: a failure here (agreed on every rank) changes nothing
-    sent = _receive_buffers(model, send, dev, plan.extras or [])
+    sent = receive_buffers(model, send, dev, plan.extras or [])
     # validation is over on every rank: from here on the model changes
     params = {id(p) for p in model.parameters()}
     by_fqn = dict(targets)
@@ -319,9 +200,9 @@ def load_from_full_model_state_dict(
         for fqn in plan.keys:  # never read here, but released like rank 0's (same contract)
             if fqn in source:
                 source.release(fqn)
-    _assign_buffers(model, sent)
-    _buffers._assign(model, recomputed, dev)
-    _buffers._move_real_nonpersistent(model, dev)
+    assign_buffers(model, sent)
+    assign_recomputed(model, recomputed, dev)
+    move_real_nonpersistent(model, dev)
     return _IncompatibleKeys(missing, list(plan.unexpected))
 
 

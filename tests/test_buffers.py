@@ -147,7 +147,8 @@ class MaskOnly(nn.Module):
 @needs_hf
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_meta_build_materialize_and_load_match_cpu_build(family):
-    from fsdptk.buffers import _meta_nonpersistent, _recompute
+    from fsdptk._plans.buffers import meta_nonpersistent as _meta_nonpersistent
+    from fsdptk._plans.buffers import recompute as _recompute
 
     ref = _hf(family)
     meta = _hf(family, "meta")
