@@ -24,7 +24,7 @@ from torch import nn
 
 from fsdptk._core.compat import checkpoint_wrapper_api, composable_checkpoint, composable_registry
 from fsdptk._core.dist import log_rank0
-from fsdptk._plans.sharding import _as_conditions, _is_ancestor, check_unsharded, match_modules
+from fsdptk._plans.sharding import as_conditions, check_unsharded, is_ancestor, match_modules
 from fsdptk.predicates import ShardCondition, describe_predicate
 
 __all__ = ["apply_activation_checkpointing"]
@@ -37,7 +37,7 @@ def _matches(model: nn.Module, conditions: list[ShardCondition]) -> dict[str, tu
     outer, _, rule = match_modules(model, conditions, "checkpoint", "nothing was changed")
     found = {c: (outer[c], r) for c, r in rule.items()}
     # a region inside another checkpointed region would be recomputed twice: keep the outermost
-    return {c: v for c, v in found.items() if not any(_is_ancestor(a, c) for a in found)}
+    return {c: v for c, v in found.items() if not any(is_ancestor(a, c) for a in found)}
 
 
 def _already_checkpointed(m: nn.Module) -> bool:
@@ -90,7 +90,7 @@ def apply_activation_checkpointing(
     if mode not in ("composable", "wrapper"):
         raise ValueError(f"mode must be 'composable' or 'wrapper', got {mode!r}")
     check_unsharded(model, "apply activation checkpointing before shard_model")
-    conditions = _as_conditions(condition)
+    conditions = as_conditions(condition)
     found = _matches(model, conditions)
     if not found:
         tried = ", ".join(describe_predicate(c) for c in conditions)

@@ -68,7 +68,7 @@ def log_rank0(logger: logging.Logger, msg: str, *args: Any, level: int = logging
 
 
 
-def _comm_device() -> torch.device:
+def comm_device() -> torch.device:
     """The device small agreement tensors live on: CPU when the default group has gloo."""
     backend = str(dist.get_backend(comm_group())).lower()
     if "gloo" in backend:
@@ -98,7 +98,7 @@ def check_comm_device(fn: str, device: torch.device | str | None) -> None:
     """
     if device is None or world()[0] == 1:
         return
-    wanted, used = torch.device(device), _comm_device()
+    wanted, used = torch.device(device), comm_device()
     if wanted.type != used.type:
         warnings.warn(f"{fn}(device={str(wanted)!r}) is not used: the process group's backend "
                       f"({dist.get_backend(comm_group())}) communicates on {used.type}; the results are CPU tensors "
@@ -227,7 +227,7 @@ def raise_if_any(error: BaseException | None) -> None:
         if error is not None:
             raise error
         return
-    flag = torch.tensor([0 if error is None else size - rank], dtype=torch.int64, device=_comm_device())
+    flag = torch.tensor([0 if error is None else size - rank], dtype=torch.int64, device=comm_device())
     with comm_errors("agreement"):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=comm_group())
     if int(flag.item()):

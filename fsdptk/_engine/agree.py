@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fsdptk._core.dist import _comm_device, all_gather_object, comm_errors, comm_group, error_payload, raise_lowest
+from fsdptk._core.dist import all_gather_object, comm_device, comm_errors, comm_group, error_payload, raise_lowest
 from fsdptk._core.dist import raise_problems as _raise
 from fsdptk._core.dist import world as _world
 from fsdptk._engine.layouts import Layout, PlainLayout, layout_of
@@ -146,7 +146,7 @@ class LoadPlan:
         return self.metas[fqn].dtype
 
 
-def _fingerprint(rows: Iterable[tuple[Any, ...]]) -> str:
+def fingerprint(rows: Iterable[tuple[Any, ...]]) -> str:
     return hashlib.sha1(repr(list(rows)).encode()).hexdigest()
 
 
@@ -303,7 +303,7 @@ def agree(
         dupes = [f for f, n in counts.items() if n > 1]
         if dupes:
             raise ValueError(f"duplicate target fqns: {dupes}")
-        fp = _fingerprint((f, lay.shape, str(lay.target.dtype), type(lay).__name__) for f, lay in entries)
+        fp = fingerprint((f, lay.shape, str(lay.target.dtype), type(lay).__name__) for f, lay in entries)
         reads = rank == 0 or not src_rank0
         check = check_source(entries, source, cast) if reads else None
         layout = ([RankLayout(lay.local, lay.parts) for _, lay in entries] if src_rank0 and world > 1
@@ -394,7 +394,7 @@ class Status:
             return
         h = int(hashlib.sha1(repr(self.sums).encode()).hexdigest(), 16) & ((1 << _SUM_BITS) - 1)
         t = torch.tensor([world - rank if self.error is not None else 0, h, -h], dtype=torch.int64,
-                         device=_comm_device())
+                         device=comm_device())
         with comm_errors(self.what):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm_group())
         failed, high, low = (int(v) for v in t.tolist())

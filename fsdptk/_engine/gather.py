@@ -14,10 +14,10 @@ from typing import Any, NamedTuple
 import torch
 
 from fsdptk._core.compat import local_tensor
-from fsdptk._core.dist import _comm_device, all_gather_object, comm_errors, error_payload, raise_lowest
+from fsdptk._core.dist import all_gather_object, comm_device, comm_errors, error_payload, raise_lowest
 from fsdptk._core.dist import raise_problems as _raise
 from fsdptk._core.dist import world as _world
-from fsdptk._engine.agree import Status, _fingerprint, guarded, hand_over
+from fsdptk._engine.agree import Status, fingerprint, guarded, hand_over
 from fsdptk._engine.layouts import Box, Layout, box_shape, is_dim0_run, layout_of, place
 from fsdptk._engine.wire import (
     DEFAULT_BUCKET_BYTES,
@@ -124,7 +124,7 @@ def collect(
         items = listed
         views = [_collect_view(t, rank) for _, t in items]
         problems = [("ValueError", f"{fqn!r} {v.problem}") for (fqn, _), v in zip(items, views) if v.problem]
-        fp = _fingerprint((fqn, tuple(t.shape), str(t.dtype), type(v.layout).__name__)
+        fp = fingerprint((fqn, tuple(t.shape), str(t.dtype), type(v.layout).__name__)
                           for (fqn, t), v in zip(items, views))
     except Exception as e:  # noqa: BLE001 - raised on every rank just below
         error = e
@@ -157,7 +157,7 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
     stops the senders at the next bucket. Once a bucket is agreed every rank posts its transfers of it, and
     every posted transfer is waited for, on the error paths too."""
     world, rank = _world()
-    comm = _comm_device() if world > 1 else torch.device("cpu")
+    comm = comm_device() if world > 1 else torch.device("cpu")
     into_full = comm.type == "cpu"  # a receive can land in the (CPU) full tensors
     direct = [[b is not None and into_full and is_dim0_run(b, t.shape)
                and is_direct(box_shape(b), t.dtype) for b, (_, t) in zip(boxes[r], items)] for r in range(world)]

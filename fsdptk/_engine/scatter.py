@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from fsdptk._core.dist import _comm_device, comm_errors
+from fsdptk._core.dist import comm_device, comm_errors
 from fsdptk._core.dist import world as _world
 from fsdptk._engine.agree import LoadPlan, Status, guarded, hand_over
 from fsdptk._engine.layouts import box_shape, is_dim0_run
@@ -180,7 +180,7 @@ def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, re
     0's own copies, a receiver's unpacking) is agreed at the next one, before anything of that
     bucket is yielded anywhere. Once a bucket is agreed every rank posts its transfers of it, and
     every posted transfer is waited for, on the error paths too."""
-    comm = _comm_device()
+    comm = comm_device()
     entries = plan.entries
     layouts = plan.layouts or []
     parts = [[lay.wire_parts(layouts[r][i].local, layouts[r][i].parts, plan.out_dtype(f, lay)) for i, (f, lay) in enumerate(entries)]

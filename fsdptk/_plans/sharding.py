@@ -142,7 +142,7 @@ class Plan:
     params_of: dict[int, list[nn.Parameter]] = field(default_factory=dict)  # id(unit) -> params
 
 
-def _as_conditions(shard_conditions: Any) -> list[ShardCondition]:
+def as_conditions(shard_conditions: Any) -> list[ShardCondition]:
     if callable(shard_conditions):
         return [shard_conditions]
     if isinstance(shard_conditions, (str, bytes)) or not isinstance(shard_conditions, Sequence):
@@ -231,7 +231,7 @@ def match_modules(model: nn.Module, conditions: Sequence[ShardCondition], what: 
     return outer, inner, rule
 
 
-def _is_ancestor(a: str, b: str) -> bool:
+def is_ancestor(a: str, b: str) -> bool:
     """Whether clean name ``a`` is a strict ancestor of ``b``."""
     return a != b and (a == "" or b.startswith(a + "."))
 
@@ -293,7 +293,7 @@ class _Planner:
         return [c for c in self.parent if self.find(c) == rep]
 
     def unit_ancestors(self, c: str) -> set[str]:
-        return {self.find(a) for a in self.parent if _is_ancestor(a, c)}
+        return {self.find(a) for a in self.parent if is_ancestor(a, c)}
 
     def resolve_ties(self) -> None:
         shared = {pid: o for pid, o in self.owners.items() if len({c for c, _ in o}) > 1}
@@ -311,7 +311,7 @@ class _Planner:
     def _resolve(self, pid: int, owners: list[tuple[str, str]], reps: set[str]) -> None:
         names = ", ".join(f"{c}.{a}" if c else a for c, a in owners)
         members = sorted((m for r in reps if r for m in self.members(r)), key=self._order)
-        nested = "" in reps or any(_is_ancestor(a, b) for a in members for b in members)
+        nested = "" in reps or any(is_ancestor(a, b) for a in members for b in members)
         ancestors = {frozenset(self.unit_ancestors(m) - reps) for m in members}
         if not nested and len(ancestors) == 1:
             for r in reps:
@@ -324,10 +324,10 @@ class _Planner:
         lca = ""
         owner_names = [c for c, _ in owners]
         for c in self.outer:
-            if all(o == c or _is_ancestor(c, o) for o in owner_names) and len(c) >= len(lca):
+            if all(o == c or is_ancestor(c, o) for o in owner_names) and len(c) >= len(lca):
                 lca = c
         dropped = sorted(
-            (m for r in reps if r and any(_is_ancestor(lca, x) for x in self.members(r))
+            (m for r in reps if r and any(is_ancestor(lca, x) for x in self.members(r))
              for m in self.members(r)),
             key=self._order,
         )
@@ -362,7 +362,7 @@ class _Planner:
 
 
 def make_plan(model: nn.Module, shard_conditions: Any) -> Plan:
-    conditions = _as_conditions(shard_conditions)
+    conditions = as_conditions(shard_conditions)
     _check_model(model)
     return _Planner(model, conditions).plan()
 
