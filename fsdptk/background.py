@@ -282,11 +282,11 @@ def save_safetensors_async(
         >>> torch.equal(load_file(pending.wait())["weight"], before)
         True
     """
-    from fsdptk.checkpoint import _plan_save, _write_save
+    from fsdptk._files.save import plan_save, write_save
 
     started = time.monotonic()
     group = _begin()
-    plan = _plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
+    plan = plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
                       rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress)
 
     def take() -> list[tuple[str, torch.Tensor]]:
@@ -305,7 +305,7 @@ def save_safetensors_async(
 
     def work() -> Path:
         try:
-            return _write_save(plan, lambda: staged)
+            return write_save(plan, lambda: staged)
         except BaseException:
             if staged is not None:  # e.g. the lock was held: nothing took the staged files
                 staged.abort()
@@ -358,11 +358,11 @@ def save_dcp_async(
         >>> load_dcp(torch.nn.Linear(3, 2), d)
         {'step': 10}
     """
-    from fsdptk.dcp import _dcp_state, _write_dcp
+    from fsdptk.dcp import dcp_state, write_dcp
 
     started = time.monotonic()
     group = _begin()
-    path, state = _dcp_state(model, path, optimizer, extra)
+    path, state = dcp_state(model, path, optimizer, extra)
 
     def take() -> dict[str, Any]:
         snap = _Snapshot()
@@ -372,7 +372,7 @@ def save_dcp_async(
 
     snapshot = run_agreed(take)  # the thread keeps only the snapshot, never the live state
     pending = PendingSave(path, "save_dcp", started)
-    pending._start(group, lambda: _write_dcp(snapshot, path))
+    pending._start(group, lambda: write_dcp(snapshot, path))
     return pending
 
 

@@ -18,28 +18,25 @@ rename collision) is agreed before any tensor moves, so all ranks raise the same
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.dist import all_gather_object, is_rank0, raise_if_any, run_agreed
-from fsdptk._core.names import tie_groups
 from fsdptk._engine import bucket_size
 from fsdptk._engine.sources import RenamedSource
-from fsdptk._files.common import Rename, infer_device, progress_bar, rename_keys, trim_heap
+from fsdptk._files.common import Rename, infer_device, progress_bar, rename_keys
 from fsdptk._files.hf_config import stage_hf_config
 from fsdptk._files.pending import wait_for_pending
 from fsdptk._files.safetensors_io import (
-    INDEX_SUFFIX,
     SafetensorsCheckpoint,
     parse_size,
 )
-from fsdptk._files.safetensors_writer import ShardedWriter, plan_shards
+from fsdptk._files.save import plan_save, write_save
 from fsdptk.dcp import (
     dcp_to_safetensors,
     load_dcp,
@@ -205,51 +202,6 @@ def load_safetensors(
 
 # ----------------------------------------------------------------------------------------------
 # saving
-def _save_items(model: nn.Module, tied: str, rename: Rename, dtype: torch.dtype | None
-                ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str], dict[str, torch.dtype]]:
-    """(model items to gather, {model key: file key}, {model key: dtype in the file})."""
-    if tied not in ("omit", "both"):
-        raise ValueError(f"tied must be 'omit' or 'both', got {tied!r}")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    sd = model.state_dict(keep_vars=True)
-    skip = {k for g in tie_groups(model) for k in g[1:]} if tied == "omit" else set()
-    items = [(k, t) for k, t in sd.items() if k not in skip]
-    out_name = {old: new for new, old in rename_keys([k for k, _ in items], rename,
-                                                     what="model key").items()}
-    items = [(k, t) for k, t in items if k in out_name]
-    dtypes = {k: dtype if (dtype is not None and t.dtype.is_floating_point) else t.dtype
-              for k, t in items}
-    return items, out_name, dtypes
-
-
-def _stream(buckets: Generator[list[tuple[str, torch.Tensor]], None, None], writer: ShardedWriter | None,
-            out_name: dict[str, str], dtypes: dict[str, torch.dtype], bar: Any
-            ) -> tuple[BaseException | None, Path | None]:
-    """Write every gathered tensor (rank 0) and commit. A write error is thrown into ``buckets``
-    (the engine's ``collect``): its next status agreement raises it on every rank at once. A
-    commit error is returned (agreed by the caller)."""
-    with bar:
-        for bucket in buckets:
-            for key, full in bucket:  # rank 0 only; the other ranks get empty buckets
-                if writer is not None:
-                    try:
-                        bar.update(writer.write(out_name[key], full.to(dtypes[key])))
-                    except Exception as e:  # noqa: BLE001 - agreed by the engine, raised here
-                        buckets.throw(e)
-                del full
-            if writer is not None:
-                del bucket
-                trim_heap()
-    if writer is None:
-        return None, None
-    try:
-        return None, writer.commit()
-    except Exception as e:  # noqa: BLE001 - agreed by the caller (raise_if_any)
-        writer.abort()
-        return e, None
-
-
 def save_safetensors(
     model: nn.Module,
     path: PathLike,
@@ -319,104 +271,10 @@ def save_safetensors(
         ['bias', 'weight']
     """
     wait_for_pending()
-    plan = _plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
+    plan = plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
                       rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress)
 
     def stage_config() -> Any:
         return stage_hf_config(model, plan.path, dtype=dtype) if write_config else None
 
-    return _write_save(plan, stage_config)
-
-
-@dataclass(frozen=True)
-class _SavePlan:
-    """What a safetensors save takes from the model before any tensor moves (the front half of
-    :func:`save_safetensors`); :func:`_write_save` streams ``items`` into the files (the back
-    half). A background save (:mod:`fsdptk.background`) swaps ``items`` for a snapshot."""
-
-    path: Path
-    items: list[tuple[str, torch.Tensor]]
-    out_name: dict[str, str]
-    dtypes: dict[str, torch.dtype]
-    entries: list[tuple[str, torch.dtype, tuple[int, ...]]]
-    files: list[Any]
-    limit: int
-    metadata: Mapping[str, str] | None
-    bucket_bytes: int
-    progress: bool | None
-    prefix: str = "model"  # file names: <prefix>.safetensors, or shards and <prefix>.safetensors.index.json
-
-
-def _plan_save(model: nn.Module, path: PathLike, *, max_shard_size: int | str, tied: str,
-               dtype: torch.dtype | None, rename: Rename, metadata: Mapping[str, str] | None,
-               bucket_bytes: int | None, progress: bool | None) -> _SavePlan:
-    """The front half of :func:`save_safetensors`: arguments checked, items and file layout planned."""
-    path = Path(path)
-    limit = parse_size(max_shard_size)
-    nbytes = bucket_size(bucket_bytes)
-    items, out_name, dtypes = _save_items(model, tied, rename, dtype)
-    entries = [(out_name[k], dtypes[k], tuple(t.shape)) for k, t in items]
-    files = plan_shards(entries, limit)  # validates dtypes on every rank
-    return _SavePlan(path=path, items=items, out_name=out_name, dtypes=dtypes, entries=entries, files=files,
-                     limit=limit, metadata=metadata, bucket_bytes=nbytes, progress=progress)
-
-
-def _write_save(plan: _SavePlan, stage_config: Callable[[], Any]) -> Path:
-    """The back half of :func:`save_safetensors`: gather ``plan.items`` bucket by bucket and stream
-    them into the files (rank 0), commit; ``stage_config()`` (rank 0, lock held) stages the config
-    files, or returns ``None``. Collective."""
-    from fsdptk._engine import collect
-
-    path, entries, limit = plan.path, plan.entries, plan.limit
-
-    def open_writer() -> tuple[ShardedWriter, Any]:
-        w = ShardedWriter(path, entries, max_shard_size=limit, metadata=plan.metadata, prefix=plan.prefix)
-        try:
-            staged = stage_config()
-        except BaseException:
-            w.abort()
-            raise
-        if staged is not None:  # renamed in after the weights commit, under the directory's lock
-            w.after_commit(staged.commit)
-        return w, staged
-
-    writer, config = run_agreed(open_writer, on=is_rank0()) or (None, None)
-    try:
-        buckets = cast(Generator[list[tuple[str, torch.Tensor]], None, None],  # collect/distribute are generators (annotated Iterator in the engine)
-                       collect(plan.items, bucket_bytes=plan.bucket_bytes))
-        error, result = _stream(buckets, writer, plan.out_name, plan.dtypes,
-                                progress_bar(writer.total_size if writer else 0, f"save {path.name}",
-                                             plan.progress))
-    except BaseException:  # the engine failed on every rank: leave nothing behind
-        if writer is not None:
-            writer.abort()
-        if config is not None:
-            config.abort()
-        raise
-    if config is not None and error is not None:  # no new weights (or the config step failed)
-        try:
-            config.abort()
-        except Exception:  # noqa: BLE001 - the first error is the one agreed below
-            pass
-    raise_if_any(error)
-    if result is not None:
-        return result
-    return path / (plan.files[0].name if len(plan.files) == 1 else plan.prefix + INDEX_SUFFIX)
-
-
-def _write_streamed(path: Path, items: list[tuple[str, torch.Tensor]], out_name: dict[str, str],
-                    dtypes: dict[str, torch.dtype], *, limit: int, bucket_bytes: int | None,
-                    metadata: Mapping[str, str] | None, progress: bool | None,
-                    stage: Callable[[], Any], prefix: str = "model") -> Path:
-    """Gather ``items`` to rank 0 bucket by bucket and write them as ``<prefix>.safetensors`` (or
-    shards plus an index) in ``path``, as :func:`save_safetensors` does: the writer of
-    :func:`fsdptk.hf.save_adapter`. ``stage()`` (rank 0, before any tensor moves) returns staged
-    side files (``commit()`` / ``abort()``, e.g. a config) renamed in after the weights commit,
-    under the directory's lock, or ``None``."""
-    wait_for_pending()
-    entries = [(out_name[k], dtypes[k], tuple(t.shape)) for k, t in items]
-    files = plan_shards(entries, limit, prefix=prefix)  # validates dtypes on every rank
-    plan = _SavePlan(path=Path(path), items=items, out_name=out_name, dtypes=dtypes, entries=entries,
-                     files=files, limit=limit, metadata=metadata, bucket_bytes=bucket_size(bucket_bytes),
-                     progress=progress, prefix=prefix)
-    return _write_save(plan, stage)
+    return write_save(plan, stage_config)

@@ -219,14 +219,15 @@ def save_dcp(
         {'step': 10}
     """
     wait_for_pending()
-    path, state = _dcp_state(model, path, optimizer, extra)
-    return _write_dcp(state, path)
+    path, state = dcp_state(model, path, optimizer, extra)
+    return write_dcp(state, path)
 
 
-def _dcp_state(model: nn.Module, path: PathLike, optimizer: torch.optim.Optimizer | None,
+def dcp_state(model: nn.Module, path: PathLike, optimizer: torch.optim.Optimizer | None,
                extra: dict[str, Any] | None) -> tuple[Path, dict[str, Any]]:
     """The front half of :func:`save_dcp`: arguments checked, DCP's state of the model and
-    optimizer taken, ``extra`` serialised; each step agreed on every rank."""
+    optimizer taken, ``extra`` serialised; each step agreed on every rank. Package-internal (not in
+    ``__all__``): :mod:`fsdptk.background` snapshots what it returns."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     run_agreed(lambda: _check_order("save_dcp", model, path, ", optimizer, extra=..."))
@@ -239,9 +240,9 @@ def _dcp_state(model: nn.Module, path: PathLike, optimizer: torch.optim.Optimize
     return path, state
 
 
-def _write_dcp(state: dict[str, Any], path: Path) -> Path:
+def write_dcp(state: dict[str, Any], path: Path) -> Path:
     """The back half of :func:`save_dcp`: stage, write ``state`` with DCP (on ``comm_group()``),
-    swap in. Collective."""
+    swap in. Collective. Package-internal (not in ``__all__``), used by :mod:`fsdptk.background`."""
     import torch.distributed.checkpoint as dcp
 
     staging, stage = _begin_staging(path)

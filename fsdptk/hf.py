@@ -513,7 +513,7 @@ def save_adapter(
 
     from fsdptk import _peft
     from fsdptk._core.dist import is_rank0, run_agreed
-    from fsdptk.checkpoint import _write_streamed
+    from fsdptk._files.save import write_streamed
 
     path = Path(path)
     names = run_agreed(lambda: _peft.adapter_file_names(model, adapter_name))  # every rank alike
@@ -525,7 +525,7 @@ def save_adapter(
     def stage_config() -> StagedConfig | None:
         return stage_files(path, _peft.staged_adapter_config(model, adapter_name)) if is_rank0() else None
 
-    return _write_streamed(path, items, out_name, dtypes, limit=sys.maxsize, bucket_bytes=bucket_bytes,
+    return write_streamed(path, items, out_name, dtypes, limit=sys.maxsize, bucket_bytes=bucket_bytes,
                            metadata=None, progress=progress, stage=stage_config,
                            prefix=ADAPTER_WEIGHTS.removesuffix(".safetensors"))
 

@@ -250,7 +250,7 @@ def test_hf_config_finds_the_config_of_plain_and_sharded_models():
 
 
 def test_a_failed_save_leaves_no_new_config(tmp_path, monkeypatch):
-    from fsdptk import checkpoint
+    from fsdptk._files.safetensors_writer import ShardedWriter
 
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(_config("qwen2"))
@@ -258,7 +258,7 @@ def test_a_failed_save_leaves_no_new_config(tmp_path, monkeypatch):
     def fail(self):
         raise OSError(5, "disk on fire")
 
-    monkeypatch.setattr(checkpoint.ShardedWriter, "commit", fail)
+    monkeypatch.setattr(ShardedWriter, "commit", fail)
     with pytest.raises(OSError, match="disk on fire"):
         save_safetensors(model, tmp_path)
     assert list(tmp_path.iterdir()) == []  # no config, no staged file, no weights
