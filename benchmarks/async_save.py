@@ -4,24 +4,32 @@ On an FSDP2 model of ``--size`` GB of fp32 parameters (``Linear(4096, 4096)`` la
 gloo, one torch thread per rank, every method in the same processes:
 
 - ``save_safetensors`` (fsdptk, synchronous: gather to rank 0, one HF safetensors directory);
-- ``save_safetensors_async`` (fsdptk: the same files, written by a thread after a snapshot);
-- ``save_dcp_async`` (fsdptk: model state as a DCP directory, in the background);
+- ``save_safetensors_async`` (fsdptk: the same files, written by a thread after a snapshot), a
+  first save (``release_snapshot()`` before it, untimed: the snapshot is newly allocated), then
+  ``save_safetensors_async (snapshot reused)``: the next save, right after, copying into the
+  snapshot buffers the first one kept (the steady state of periodic saves);
+- ``save_dcp_async`` (fsdptk: model state as a DCP directory, in the background), first and
+  ``(snapshot reused)`` likewise;
 - ``dcp.async_save`` (PyTorch DCP: ``get_model_state_dict`` then ``async_save`` on a gloo group
   of its own, the default thread executor and stager);
 - ``dcp.save`` (PyTorch DCP, synchronous).
 
 *blocked*: the call's wall time (what training waits for); *total*: from the call until the
 files are complete (``wait()`` / ``future.result()``), with nothing else running. Both are the
-maximum over ranks of each rank's time, between barriers. DCP writes one file per rank and does
+maximum over ranks of each rank's time, between barriers; the tables show the minimum and the
+median over ``--repeats``. DCP writes one file per rank and does
 not gather; fsdptk's safetensors saves gather everything to rank 0 and write one HF checkpoint.
 
 Then the training-step time (forward, backward, SGD step; batch ``--batch`` x 4096): ``--steps``
 steps with no save, then steps while a background save runs (until every rank's save is done;
-one small all-reduce per step decides), for ``save_safetensors_async`` and ``dcp.async_save``.
+one small all-reduce per step decides), for ``save_safetensors_async`` and ``dcp.async_save``;
+``--steps 0`` skips this part.
 
 Example::
 
     python -m benchmarks async-save --size 1 --worlds 2 4
+    python -m benchmarks async-save --size 1 --worlds 2 4 --repeats 3 --steps 0 \
+        --methods save_safetensors save_safetensors_async "save_safetensors_async (snapshot reused)"
 """
 
 from __future__ import annotations
@@ -44,7 +52,9 @@ from torch import nn
 __all__ = ["METHODS", "main"]
 
 WIDTH = 4096
-METHODS = ["save_safetensors", "save_safetensors_async", "save_dcp_async", "dcp.async_save", "dcp.save"]
+REUSED = " (snapshot reused)"
+METHODS = ["save_safetensors", "save_safetensors_async", "save_safetensors_async" + REUSED,
+           "save_dcp_async", "save_dcp_async" + REUSED, "dcp.async_save", "dcp.save"]
 OVERLAP = ["save_safetensors_async", "dcp.async_save"]
 
 
@@ -92,9 +102,9 @@ class _Run:
         if method == "save_safetensors":
             fsdptk.save_safetensors(self.model, path)
             return None
-        if method == "save_safetensors_async":
+        if method.startswith("save_safetensors_async"):
             return fsdptk.save_safetensors_async(self.model, path)
-        if method == "save_dcp_async":
+        if method.startswith("save_dcp_async"):
             return fsdptk.save_dcp_async(self.model, path)
         sd = {"model": get_model_state_dict(self.model)}
         if method == "dcp.save":
@@ -144,12 +154,16 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     run = _Run(args.size, args.batch, Path(args.work_dir) / f"w{world}")
-    out: dict[str, Any] = {"save": {m: [] for m in METHODS}, "steps": {}}
+    import fsdptk
+
+    out: dict[str, Any] = {"save": {m: [] for m in args.methods}, "steps": {}}
     run.step()  # warm-up: FSDP's lazy init, first-touch of the gradients
     _warm_up(Path(args.work_dir) / f"w{world}" / "warm-up")
     for _ in range(args.repeats):
-        for method in METHODS:
+        for method in args.methods:
             path = run.fresh(method)
+            if not method.endswith(REUSED):  # a first save allocates its snapshot
+                fsdptk.release_snapshot()
             dist.barrier()
             t0 = time.perf_counter()
             handle = run.start(method, path)
@@ -159,7 +173,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) 
             out["save"][method].append((_max(blocked), _max(total)))
     # training steps with no save, then while a background save runs
     out["steps"]["none"] = [_max(run.step()) for _ in range(args.steps)]
-    for method in OVERLAP:
+    for method in OVERLAP if args.steps else []:
         path = run.fresh(method)
         t0 = time.perf_counter()
         handle = run.start(method, path)
@@ -197,14 +211,16 @@ def _load() -> str:
 
 def render(world: int, res: dict[str, Any], args: argparse.Namespace, before: str, after: str) -> str:
     """Markdown tables of one world size."""
-    lines = [f"\n### {world} ranks, {args.size:g} GB model (median of {args.repeats}; load average "
+    lines = [f"\n### {world} ranks, {args.size:g} GB model ({args.repeats} repeat(s); load average "
              f"before {before}, after {after})\n",
-             "| method | blocked s | total s | blocked / sync safetensors total |", "|---|---|---|---|"]
-    sync_total = statistics.median(t for _, t in res["save"]["save_safetensors"])
+             "| method | blocked s min | blocked s median | total s min | total s median "
+             "| min blocked / min sync safetensors total |", "|---|---|---|---|---|---|"]
+    sync = res["save"].get("save_safetensors")
+    sync_total = min(t for _, t in sync) if sync else float("nan")
     for method, runs in res["save"].items():
-        blocked = statistics.median(b for b, _ in runs)
-        total = statistics.median(t for _, t in runs)
-        lines.append(f"| {method} | {blocked:.3f} | {total:.2f} | {blocked / sync_total:.3f} |")
+        blocked, total = [b for b, _ in runs], [t for _, t in runs]
+        lines.append(f"| {method} | {min(blocked):.3f} | {statistics.median(blocked):.3f} | "
+                     f"{min(total):.2f} | {statistics.median(total):.2f} | {min(blocked) / sync_total:.3f} |")
     lines += ["", "| training steps | steps | median step s | max step s |", "|---|---|---|---|"]
     for name, times in res["steps"].items():
         label = "no save" if name == "none" else f"while {name} runs"
@@ -221,10 +237,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=float, default=1.0, help="model size in GB (1e9 bytes) of fp32 parameters")
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5, help="training steps timed with no save")
+    p.add_argument("--steps", type=int, default=5, help="training steps timed with no save (0: no step part)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS, metavar="METHOD",
+                   help=f"the saves to time, in this order (default: all of {METHODS}); a "
+                        f"'{REUSED.strip()}' method runs right after its first save, added if missing")
     p.add_argument("--batch", type=int, default=8, help="rows per training step")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "fsdptk-bench-async"))
     args = p.parse_args(argv)
+    methods = []
+    for m in args.methods:  # a reused-snapshot save needs its first save right before it
+        if m.endswith(REUSED) and (not methods or methods[-1] != m.removesuffix(REUSED)):
+            methods.append(m.removesuffix(REUSED))
+        methods.append(m)
+    args.methods = methods
     for world in args.worlds:
         before = _load()
         res = run(world, args)

@@ -32,7 +32,7 @@ _LAZY: dict[str, str] = {
     "ShardConditionError": "errors",
     "apply_activation_checkpointing": "activation",
     "load_safetensors": "checkpoint", "save_safetensors": "checkpoint", "SafetensorsCheckpoint": "checkpoint", "CheckpointError": "errors", "save_dcp": "checkpoint", "load_dcp": "checkpoint", "dcp_to_safetensors": "checkpoint", "safetensors_to_dcp": "checkpoint",
-    "save_safetensors_async": "background", "save_dcp_async": "background", "PendingSave": "background",
+    "save_safetensors_async": "background", "save_dcp_async": "background", "PendingSave": "background", "release_snapshot": "background",
     "materialize": "buffers", "params_on_meta": "buffers", "register_buffer_init": "buffers",
     "load_from_full_model_state_dict": "state_dict", "gather_cpu_state_dict": "state_dict", "iter_full_state_dict": "state_dict",
     "get_full_optimizer_state_dict": "optim", "load_from_full_optimizer_state_dict": "optim", "iter_full_optimizer_state": "optim", "get_optimizer_param_groups": "optim", "to_fqn_optimizer_state_dict": "optim",

@@ -9,11 +9,18 @@
 - :class:`PendingSave`: ``wait()`` returns the path or raises the save's error, on every rank
   (the error is agreed across ranks in the background group, as a synchronous save agrees it);
   ``done()`` polls.
+- :func:`release_snapshot`: frees the snapshot buffers a rank keeps between background saves.
 
 Design notes:
 
 - One snapshot per rank: a new save (background or not) first waits for the pending one, so a
   rank never holds two snapshots; a load of the path being written and interpreter exit wait too.
+- The snapshot is kept from one background save to the next (:class:`_KeptSnapshot`, as DCP's
+  ``cache_staged_state_dict``): the next call copies into the same CPU buffers where its local
+  shards have the same names, shapes, strides and dtypes, so only the first save pays for
+  allocating (and page-faulting) new memory. It is reused only after the pending save has ended
+  (the call waits for it before copying), so a running write never reads a buffer being
+  overwritten. :func:`release_snapshot` drops it.
 - The thread never touches the model: the front half (arguments, items, file layout, the config
   files) runs in the call, on the default group, and the thread only reads the snapshot.
 - The background group is created once per default process group with
@@ -47,7 +54,7 @@ from fsdptk._files.hf_config import stage_hf_config
 from fsdptk._files.pending import REGISTRY, wait_for_pending
 from fsdptk.nf4 import from_inner_tensors, inner_tensors, is_nf4
 
-__all__ = ["PendingSave", "save_dcp_async", "save_safetensors_async"]
+__all__ = ["PendingSave", "release_snapshot", "save_dcp_async", "save_safetensors_async"]
 
 PathLike = str | os.PathLike[str]
 
@@ -168,20 +175,99 @@ _GROUPS = _Groups()
 
 # ----------------------------------------------------------------------------------------------
 # the snapshot
+_Layout = tuple[str, torch.Size, tuple[int, ...], torch.dtype, bool]  # name, shape, stride, dtype, pinned
+
+
+class _KeptSnapshot:
+    """This process's snapshot buffers, kept from one background save to the next.
+
+    Design note (process state): like the pending save in :mod:`fsdptk._files.pending`, the kept
+    snapshot is per process by nature (it is a copy of this rank's shards) and the calls that use
+    it receive nothing that could carry it; one private object holds it. It holds at most one
+    snapshot: a call takes the buffers out (:meth:`take`), reuses them in order while their layout
+    matches and drops the rest at the first mismatch, before allocating anything, so a rank never
+    holds more than the larger of the old and the new snapshot.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buffers: list[tuple[_Layout, torch.Tensor]] = []
+
+    def take(self) -> list[tuple[_Layout, torch.Tensor]]:
+        """Hand the buffers over to a new snapshot (which gives them back with :meth:`keep`)."""
+        with self._lock:
+            out, self._buffers = self._buffers, []
+            return out
+
+    def keep(self, buffers: list[tuple[_Layout, torch.Tensor]]) -> None:
+        with self._lock:
+            self._buffers = buffers
+
+    def release(self) -> int:
+        """Drop the buffers; return their bytes."""
+        with self._lock:
+            out, self._buffers = self._buffers, []
+        return sum(t.untyped_storage().nbytes() for _, t in out)
+
+
+_KEPT = _KeptSnapshot()
+
+
+def release_snapshot() -> int:
+    """Drop this rank's kept snapshot buffers; return how many bytes they held.
+
+    A background save copies this rank's local shards into CPU buffers that stay allocated after
+    the save, so that the next background save with the same shard layout copies into them
+    instead of allocating (and first-touching) new memory: that allocation is most of the time a
+    first save blocks training. The cost is one CPU copy of this rank's shards (plus the
+    optimizer state after :func:`save_dcp_async`) held between saves. Call this when the memory
+    is needed more than the next save's speed (at the end of training, before an evaluation
+    phase). Not collective and never blocks: a save still running keeps its buffers until it
+    ends, and they are freed then. The next background save allocates anew.
+
+    Returns:
+        int: the bytes released (0 when nothing was kept).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from fsdptk import release_snapshot, save_safetensors_async
+        >>> _ = save_safetensors_async(torch.nn.Linear(4, 2, bias=False), tempfile.mkdtemp()).wait()
+        >>> release_snapshot(), release_snapshot()
+        (32, 0)
+    """
+    return _KEPT.release()
+
+
 class _Snapshot:
     """Private copies of this rank's local shards: CPU memory, pinned when the source is on an
-    accelerator; each tensor object copied once (tied tensors stay shared)."""
+    accelerator; each tensor object copied once (tied tensors stay shared). The buffers come from
+    the kept snapshot, in order, while their layout matches; the first mismatch drops the rest of
+    it and the copies from there on go into new memory. :meth:`finish` keeps the buffers for the
+    next save."""
 
     def __init__(self) -> None:
         self._done: dict[int, torch.Tensor] = {}
+        self._old = _KEPT.take()
+        self._new: list[tuple[_Layout, torch.Tensor]] = []
         self.on_accelerator = False
 
-    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+    def _buffer(self, name: str, t: torch.Tensor, pin: bool) -> torch.Tensor:
+        layout: _Layout = (name, t.shape, tuple(t.stride()), t.dtype, pin)
+        i = len(self._new)
+        if i < len(self._old) and self._old[i][0] == layout:
+            out = self._old[i][1]
+        else:
+            del self._old[i:]  # before allocating: never the old and the new snapshot at once
+            out = torch.empty_like(t, device="cpu", pin_memory=pin, requires_grad=False)
+        self._new.append((layout, out))
+        return out
+
+    def _copy(self, name: str, t: torch.Tensor) -> torch.Tensor:
         if is_nf4(t):
-            return from_inner_tensors([self._copy(p) for p in inner_tensors(t)], t)
+            return from_inner_tensors([self._copy(f"{name}#{i}", p) for i, p in enumerate(inner_tensors(t))], t)
         pin = t.device.type != "cpu"
         self.on_accelerator = self.on_accelerator or pin
-        out = torch.empty_like(t, device="cpu", pin_memory=pin, requires_grad=False)
+        out = self._buffer(name, t, pin)
         out.copy_(t.detach(), non_blocking=pin)
         return out
 
@@ -193,7 +279,7 @@ class _Snapshot:
         if local.is_meta:
             raise ValueError(f"cannot save {name!r}: it is on the meta device (shape {list(t.shape)}); "
                              "load or initialise the model first")
-        copied = self._copy(local)
+        copied = self._copy(name, local)
         out = dtensor_like(t, copied) if isinstance(t, DTensor) else copied
         self._done[id(t)] = out
         return out
@@ -209,13 +295,18 @@ class _Snapshot:
         return copy.deepcopy(v)
 
     def finish(self) -> None:
-        """Wait for the copies from an accelerator (they were issued non-blocking)."""
+        """Wait for the copies from an accelerator (they were issued non-blocking), and keep the
+        buffers for the next save (those of the old snapshot it did not use are dropped)."""
         if self.on_accelerator:
             torch.accelerator.synchronize()
+        self._old = []
+        _KEPT.keep(self._new)
 
 
 def _begin() -> Any:
-    """Every rank: wait for this rank's pending save (one snapshot at a time), then the group."""
+    """Every rank: wait for this rank's pending save, then the group. The wait comes before any
+    copy: the pending save's thread reads the kept snapshot's buffers until it ends, and the new
+    snapshot reuses them."""
     wait_for_pending()
     return _GROUPS.get()
 
@@ -241,7 +332,9 @@ def save_safetensors_async(
     holds one snapshot at most), checks the arguments and plans the files as the synchronous save
     does, stages the Hugging Face config files (rank 0), and copies this rank's local shards into
     private CPU memory (pinned for accelerator shards). Then it returns: the model and its
-    optimizer may change at once. A thread gathers the snapshot to rank 0 bucket by bucket and
+    optimizer may change at once. That memory stays allocated after the save and the next
+    background save copies into it when the shards' layout is unchanged (only the first save
+    allocates; :func:`release_snapshot` frees it). A thread gathers the snapshot to rank 0 bucket by bucket and
     streams it into the files, on fsdptk's own gloo process group, with the synchronous save's
     memory bound (one bucket beyond the snapshot on rank 0), lock and crash-safe commit: a failed
     or killed save leaves the previous checkpoint loadable.
@@ -330,7 +423,8 @@ def save_dcp_async(
     Call on every rank. The call waits for a pending background save of this process, takes the
     state as :func:`fsdptk.save_dcp` does (DCP's ``get_state_dict``) and copies every tensor of
     it, the optimizer state included, into private CPU memory (pinned for accelerator tensors);
-    then it returns and the optimizer may step. A thread writes the snapshot with
+    then it returns and the optimizer may step. That memory is kept for the next background save,
+    as :func:`save_safetensors_async` keeps it (:func:`release_snapshot` frees it). A thread writes the snapshot with
     ``torch.distributed.checkpoint`` on fsdptk's own gloo group, staged beside ``path`` with its
     lock held and swapped in atomically, as the synchronous save.
 

@@ -3,8 +3,9 @@
 Training goes on while the save runs and the files hold the snapshot's values (bit-exact), not
 the later ones; an error on one rank in the background (a failed read, a failed write, a killed
 rank) reaches every rank's ``wait()`` within seconds; a process killed mid-save leaves the
-previous checkpoint loadable; two saves in a row hold one snapshot at a time; 2-D (FSDP x TP)
-and NF4 models. Failures are injected as the other failure tests inject them (a patched engine
+previous checkpoint loadable; two saves in a row hold one snapshot at a time, and the next save
+copies into the kept snapshot's buffers (a new layout reallocates them); 2-D (FSDP x TP) and NF4
+models. Failures are injected as the other failure tests inject them (a patched engine
 read, a real file size limit, ``os._exit`` / SIGKILL of a real worker); torch.distributed is real.
 """
 
@@ -345,6 +346,69 @@ def test_two_pending_saves_in_a_row(world, tmp_path: Path) -> None:
     for r in res:
         assert all(r.values()), r
     assert {"a", "b", "c", "d"} <= set(res[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# the snapshot is kept from one save to the next
+def _kept() -> list[torch.Tensor]:
+    from fsdptk.background import _KEPT
+
+    return [t for _, t in _KEPT._buffers]
+
+
+def _same_buffers(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) > 0 and all(x is y and x.data_ptr() == y.data_ptr() for x, y in zip(a, b))
+
+
+def _reused_between_saves(root: str) -> dict[str, Any]:
+    import weakref
+
+    from fsdptk import release_snapshot, save_dcp_async, save_safetensors_async
+
+    release_snapshot()  # the world's processes are shared between tests
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    expected, kept, files = [], [], []
+    for i in range(3):
+        _train_step(model, opt, i)  # training between the saves: new values each time
+        expected.append(_gathered(model))
+        with _SlowWrites(0.02):
+            pending = save_safetensors_async(model, f"{root}/s{i}", bucket_bytes=600)
+            kept.append(_kept())
+            _train_step(model, opt, 10 + i)  # changes the live shards while the save reads its copy
+        files.append(pending.wait(timeout=60))
+    local_bytes = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    out = {"reused": _same_buffers(kept[0], kept[1]) and _same_buffers(kept[1], kept[2])
+           and len(kept[0]) == 2 * 4}
+    del kept
+    out["released"] = release_snapshot() == local_bytes and _kept() == []
+
+    save_safetensors_async(model, f"{root}/s3").wait(timeout=60)
+    old = [weakref.ref(t) for t in _kept()]
+    wider = _model(width=48)  # another layout: new buffers, the old ones dropped
+    save_safetensors_async(wider, f"{root}/wide").wait(timeout=60)
+    out["old_dropped"] = len(old) == 8 and all(r() is None for r in old)
+    out["wide_new"] = [t.shape for t in _kept()] == [p.to_local().shape for p in wider.parameters()]
+    wide_expected = _gathered(wider)
+    save_dcp_async(model, f"{root}/dcp", opt).wait(timeout=60)  # model and momentum: new once
+    dcp_kept = _kept()
+    save_dcp_async(model, f"{root}/dcp2", opt).wait(timeout=60)
+    out["dcp_reused"] = _same_buffers(dcp_kept, _kept()) and len(dcp_kept) == 2 * 8
+    del dcp_kept
+    release_snapshot()
+    if dist.get_rank() == 0:
+        for i in range(3):
+            out[f"s{i}"] = _same(load_file(files[i]), expected[i])  # bit-exact, each its own values
+        out["differ"] = not _same(expected[0], expected[1]) and not _same(expected[1], expected[2])
+        out["wide"] = _same(load_file(f"{root}/wide/model.safetensors"), wide_expected)
+    return out
+
+
+def test_the_snapshot_is_reused_by_the_next_save(world, tmp_path: Path) -> None:
+    res = world(2).run(_reused_between_saves, str(tmp_path), timeout=_HARD_TIMEOUT)
+    for r in res:
+        assert all(r.values()), r
+    assert {"s0", "s1", "s2", "differ", "wide"} <= set(res[0])
 
 
 # ----------------------------------------------------------------------------------------------
