@@ -10,6 +10,7 @@ Examples::
     .venv-peers/bin/python -m benchmarks wire --worlds 2 4 --repeats 5   # load/gather vs raw p2p and DCP
     python -m benchmarks hosts --hosts 2 --per-host 2 --rate 1gbit   # root: simulated hosts, bytes across them
     .venv-peers/bin/python -m benchmarks async-save --size 1 --worlds 2 4  # background vs synchronous saves
+    python -m benchmarks adapter-save --worlds 2     # LoRA adapter save vs accelerate's FSDP2 path
 
 ``--device cuda`` runs the same scenarios with each rank on its own GPU (``cuda:<rank>``) over NCCL:
 shards are loaded onto / gathered from the GPUs, the in-memory full states the methods read are in
@@ -319,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         from .async_save import main as async_main
 
         return async_main(argv[1:])
+    if argv[:1] == ["adapter-save"]:  # a LoRA adapter's save beside accelerate's path
+        from .adapter_save import main as adapter_main
+
+        return adapter_main(argv[1:])
     args = parse_args(argv)
     if args.device == "cuda" and not args.from_json:
         problem = cuda_problem(args)

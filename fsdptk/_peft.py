@@ -32,6 +32,7 @@ __all__ = [
     "adapter_config_json",
     "adapter_file_names",
     "adapter_predicate",
+    "base_modules",
     "base_names",
     "base_view",
     "check_adapter_dir",
@@ -188,6 +189,40 @@ def base_names(model: nn.Module) -> tuple[dict[str, str], set[str]] | None:
         seen[base] = key
         out[key] = base
     return out, adapters
+
+
+def base_modules(model: nn.Module) -> dict[str, tuple[str, nn.Module]] | None:
+    """``{base module fqn: (model fqn, module)}`` for a PEFT model, else ``None``: the base model's
+    module tree as it was before the tuners were injected (in ``named_modules`` order).
+
+    A tuner layer is replaced by its ``base_layer`` (an auxiliary wrapper by its
+    ``original_module``), which takes the tuner's base name; the tuner's other children (its
+    adapter modules: ``lora_A``, ``lora_B``, dropouts, ...) are left out, and so is anything outside
+    the base model. ``""`` is the base model itself.
+    """
+    if peft_configs(model) is None:
+        return None
+    root, dropped = _stand_ins(model)
+    prefix = f"{root}." if root else ""
+    tuners = {d.rpartition(".")[0] for d in dropped}
+    out: dict[str, tuple[str, nn.Module]] = {}
+    for name, mod in model.named_modules():
+        if name in tuners or (root and name != root and not name.startswith(prefix)):
+            continue
+        kept, path, adapter = [], "", False
+        for part in name.split(".") if name else []:
+            parent, path = path, f"{path}.{part}" if path else part
+            if parent in tuners:
+                if path not in dropped:
+                    adapter = True
+                    break
+                continue
+            kept.append(part)
+        if adapter:
+            continue
+        joined = ".".join(kept)
+        out[joined[len(prefix):] if joined != root else ""] = (name, mod)
+    return out
 
 
 class BaseView(Mapping[str, Any]):

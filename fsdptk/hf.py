@@ -193,6 +193,12 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str
     norms between blocks are ``SequenceParallel``, each block gathers its input and its rowwise
     projection reduce-scatters, ``lm_head`` gathers. transformers' plans do not do this themselves.
 
+    On a PEFT model (LoRA), the base model's plan goes to each LoRA layer's ``base_layer`` and the
+    adapters get the styles that keep ``W x + s B (A x)`` exact: ``lora_B`` the colwise style of a
+    colwise base (``lora_A`` whole on every TP rank), ``lora_A`` the rowwise style of a rowwise
+    base (``lora_B`` whole). DoRA / other LoRA variants, other tuners and ``sequence_parallel``
+    are refused (docs/hf_2d.md, "LoRA adapters").
+
     The model is only read. Call it on the unsharded model (``meta`` is fine), then
     ``apply_tp(model, mesh["tp"], plan)`` before activation checkpointing and ``shard_model``.
 
@@ -210,7 +216,8 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str
             message names the string and the module FQN) or targets the wrong module type; if a
             rule names a parameter rather than a module; if a tied parameter would be placed two
             ways; if ``sequence_parallel`` is asked of a plan without an embedding / output pair
-            around its blocks.
+            around its blocks; on a PEFT model, if a planned layer's tuner is not plain LoRA on
+            ``nn.Linear`` (DoRA included) or ``sequence_parallel`` is asked.
 
     Example:
         >>> dims = ParallelDims(dp_shard=2, tp=2)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP

@@ -10,6 +10,10 @@ init, nothing downloaded), PEFT itself as the judge:
   and ``PeftModel.from_pretrained(base, dir)`` in one process gives the sharded model's logits.
 - Resume: adapters (``load_adapter``) + optimizer (``load_from_full_optimizer_state_dict`` by FQN)
   after step 2 give step 3's loss of the run that never stopped.
+- 2-D, (dp_shard=2, tp=2) on 4 ranks: ``hf_tp_plan`` of the PEFT model (base layers their base
+  style, lora_B colwise beside a colwise base, lora_A rowwise beside a rowwise one) -> the same
+  logits, 3 AdamW steps, save_adapter files and resume as the single-process PEFT model. DoRA and
+  sequence parallel are refused by the plan.
 - Bad input: no PEFT adapter, an unknown adapter name, an adapter of another rank: one error on
   every rank, nothing written, the model unchanged.
 
@@ -243,6 +247,166 @@ def test_lora_meta_shard_load_train_save_resume(world, reference, tmp_path, fami
     with torch.no_grad():
         logits = loaded(input_ids=_batch()).logits
     assert (logits - r0["trained_logits"]).abs().max().item() <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# 2-D: (dp_shard=2, tp=2) on 4 ranks, hf_tp_plan translated for the LoRA layers
+def _two_d_model(family: str):
+    from fsdptk import ParallelDims, apply_tp, hf_tp_plan, shard_model
+
+    dims = ParallelDims(dp_shard=2, tp=2)
+    dims.build_mesh("cpu")
+    model = _meta_peft(family, False)
+    plan = hf_tp_plan(model)
+    apply_tp(model, dims.tp_mesh, plan)
+    shard_model(model, no_split_modules(model), cpu_offload=False, dp_mesh=dims.fsdp_mesh)
+    return model, dims, plan
+
+
+def _two_d_step(model, opt, batch, dims) -> float:
+    import torch.distributed as dist
+
+    per = batch.shape[0] // dims.dp_degree
+    rows = batch[dims.dp_rank * per:(dims.dp_rank + 1) * per]  # this dp rank's share
+    loss = model(input_ids=rows, labels=rows).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    loss = loss.detach()
+    dist.all_reduce(loss, group=dims.fsdp_mesh.get_group())  # every row has as many tokens
+    return loss.item() / dims.dp_degree
+
+
+def _loop_two_d(family: str, base: str, init: str, out: str, mid: str, ref_logits):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from fsdptk import (
+        gather_cpu_state_dict,
+        get_full_optimizer_state_dict,
+        load_from_full_optimizer_state_dict,
+        load_safetensors,
+        validate_no_params_on_meta_device,
+    )
+    from fsdptk.hf import load_adapter, save_adapter
+
+    rank0 = dist.get_rank() == 0
+    model, dims, plan = _two_d_model(family)
+    res = load_safetensors(model, base, strict=True)
+    ares = load_adapter(model, init)
+    validate_no_params_on_meta_device(model)
+    layer = model.base_model.model.model.layers[0]
+    placements = {name: (w.device_mesh.mesh_dim_names, tuple(w.to_local().shape)) for name, w in [
+        ("q.base", layer.self_attn.q_proj.base_layer.weight),
+        ("q.A", layer.self_attn.q_proj.lora_A["default"].weight),
+        ("q.B", layer.self_attn.q_proj.lora_B["default"].weight),
+        ("o.A", layer.self_attn.o_proj.lora_A["default"].weight),
+        ("o.B", layer.self_attn.o_proj.lora_B["default"].weight)] if isinstance(w, DTensor)}
+    batch = _batch()
+    with torch.no_grad():
+        diff = (model(input_ids=batch).logits - ref_logits).abs().max().item()
+    opt = _adam(model)
+    losses = [_two_d_step(model, opt, batch, dims) for _ in range(_STEPS - 1)]
+    osd = get_full_optimizer_state_dict(model, opt, rank0)
+    save_adapter(model, mid)
+    losses.append(_two_d_step(model, opt, batch, dims))
+    saved = save_adapter(model, out)
+    full = gather_cpu_state_dict(model, rank0)
+    with torch.no_grad():
+        trained_logits = model(input_ids=batch).logits
+
+    model2, dims2, _ = _two_d_model(family)
+    load_safetensors(model2, base, strict=True)
+    load_adapter(model2, mid)
+    opt2 = _adam(model2)
+    load_from_full_optimizer_state_dict(model2, opt2, osd, "cpu", broadcast_from_rank0=True)
+    resumed = _two_d_step(model2, opt2, batch, dims2)
+    return {
+        "missing": list(res.missing_keys), "unexpected": list(res.unexpected_keys),
+        "adapter_load": (list(ares.missing_keys), list(ares.unexpected_keys)),
+        "plan": {k: type(v).__name__ for k, v in plan.items()}, "placements": placements,
+        "logits_diff": diff, "losses": losses, "resumed": resumed, "saved": str(saved),
+        "full": full if rank0 else {}, "trained_logits": trained_logits,
+    }
+
+
+def _compare_with_peft(out, peft_dir, full, ref, trained_logits, dora: bool = False) -> None:
+    """The adapter directory ``out`` is what PEFT's save_pretrained writes from the same (gathered)
+    weights, and PEFT's from_pretrained of it gives ``trained_logits``."""
+    from safetensors import safe_open
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(ref["base"])
+    unsharded = peft.get_peft_model(base, _lora(dora))
+    unsharded.load_state_dict(full, strict=True)
+    unsharded.save_pretrained(peft_dir)
+    with safe_open(out / "adapter_model.safetensors", "pt") as ours, \
+            safe_open(peft_dir / "adapter_model.safetensors", "pt") as theirs:
+        assert sorted(ours.keys()) == sorted(theirs.keys())
+        assert ours.metadata() == theirs.metadata() == {"format": "pt"}
+        for key in theirs.keys():  # noqa: SIM118 - a safe_open handle, not a dict
+            a, b = ours.get_tensor(key), theirs.get_tensor(key)
+            assert a.dtype == b.dtype and torch.equal(a, b), key
+    ours, theirs = (json.loads((d / "adapter_config.json").read_text()) for d in (out, peft_dir))
+    for cfg in (ours, theirs):  # a set, written in hash order by PEFT
+        cfg["target_modules"] = sorted(cfg["target_modules"])
+    # the base's origin: PEFT records name_or_path, "" for a from_config model (as ours) -> None
+    assert ours.pop("base_model_name_or_path") is None
+    assert theirs.pop("base_model_name_or_path") == str(ref["base"])
+    assert ours == theirs
+    base = transformers.AutoModelForCausalLM.from_pretrained(ref["base"])
+    loaded = peft.PeftModel.from_pretrained(base, out)
+    with torch.no_grad():
+        logits = loaded(input_ids=_batch()).logits
+    assert (logits - trained_logits).abs().max().item() <= 1e-5
+
+
+def test_lora_two_d_fsdp_x_tp_matches_single_process(world, reference, tmp_path):
+    ref = reference("llama", False)
+    out, mid = tmp_path / "adapter", tmp_path / "mid"
+    results = world(4).run(_loop_two_d, "llama", str(ref["base"]), str(ref["init"]), str(out),
+                           str(mid), ref["logits"])
+    r0 = results[0]
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    o = "base_model.model.model.layers.0.self_attn.o_proj"
+    assert r0["plan"][f"{q}.base_layer"] == "ColwiseKeepTied"
+    assert r0["plan"][f"{q}.lora_B.default"] == "ColwiseParallel" and f"{q}.lora_A.default" not in r0["plan"]
+    assert r0["plan"][f"{o}.base_layer"] == "RowwiseKeepTied"
+    assert r0["plan"][f"{o}.lora_A.default"] == "RowwiseKeepTied" and f"{o}.lora_B.default" not in r0["plan"]
+    # 2-D (dp, tp) DTensors where TP splits, dp-only shards where the adapter is whole per TP rank
+    # (hidden 64, r 4): q's base and B split on their output features, o's A on its input ones
+    dp, two_d = ("dp_shard",), ("dp_shard", "tp")
+    assert r0["placements"] == {"q.base": (two_d, (16, 64)), "q.A": (dp, (2, 64)),
+                                "q.B": (two_d, (16, 4)), "o.A": (two_d, (2, 32)), "o.B": (dp, (32, 4))}
+    for r in results:
+        assert r["missing"] == [] and r["unexpected"] == []
+        assert r["adapter_load"] == ([], [])
+        assert r["logits_diff"] <= 1e-5, f"logits differ from PEFT's by {r['logits_diff']}"
+        torch.testing.assert_close(r["losses"], ref["losses"], rtol=0, atol=1e-5)
+        assert r["resumed"] == pytest.approx(r["losses"][-1], abs=1e-6)
+    assert r0["saved"] == str(out / "adapter_model.safetensors")
+    _compare_with_peft(out, tmp_path / "peft", r0["full"], ref, r0["trained_logits"])
+
+
+def test_tp_plan_of_a_peft_model_refuses_what_it_cannot_split():
+    from fsdptk import hf_tp_plan
+
+    with pytest.raises(ValueError, match="LoRA variant"):
+        hf_tp_plan(_meta_peft("llama", True))
+    with pytest.raises(ValueError, match="sequence_parallel=True is not supported on a PEFT model"):
+        hf_tp_plan(_meta_peft("llama", False), sequence_parallel=True)
+    with torch.device("meta"):
+        base = transformers.AutoModelForCausalLM.from_config(_config("llama"))
+    plain = {k: repr(v) for k, v in hf_tp_plan(base).items()}
+    # adapters only where asked: untargeted modules keep the base plan's own entry and name
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    plan = {k.removeprefix("base_model.model."): repr(v) for k, v in hf_tp_plan(model).items()}
+    q = "model.layers.0.self_attn.q_proj"
+    assert plan.pop(f"{q}.base_layer") == plain.pop(q)
+    assert plan.pop(f"{q}.lora_B.default").startswith("ColwiseParallel(")
+    plan.pop("model.layers.1.self_attn.q_proj.base_layer")
+    plan.pop("model.layers.1.self_attn.q_proj.lora_B.default")
+    plain.pop("model.layers.1.self_attn.q_proj")
+    assert plan == plain
 
 
 # ---------------------------------------------------------------------------------------------

@@ -118,21 +118,23 @@ def _parent(fqn: str) -> str:
     return fqn.rpartition(".")[0]
 
 
-def _match(model: nn.Module, rules: Mapping[str, str]) -> dict[str, str]:
+def _match(modules: Mapping[str, nn.Module], rules: Mapping[str, str]) -> dict[str, str]:
     """Concrete module FQN -> style string, transformers' matching (layer numbers -> ``*``)."""
     found: dict[str, str] = {}
-    modules: set[str] = set()
-    for fqn, _ in model.named_modules():
-        modules.update((fqn, _generic(fqn)))
+    names: set[str] = set()
+    for fqn in modules:
+        names.update((fqn, _generic(fqn)))
         if (s := rules.get(fqn, rules.get(_generic(fqn)))) is not None:
             found[fqn] = s
-    for fqn, _ in model.named_parameters():
-        rule = fqn if fqn in rules else _generic(fqn)
-        if rule in rules and rule not in modules and rules[rule] != "replicate":
-            raise ValueError(
-                f"tp_plan rule '{rule}' -> '{rules[rule]}' names the parameter '{fqn}', not a "
-                "module: parameter-level styles (expert weights, attention sinks) have no "
-                "translation")
+    for mfqn, module in modules.items():
+        for pname, _ in module.named_parameters(recurse=False):
+            fqn = f"{mfqn}.{pname}" if mfqn else pname
+            rule = fqn if fqn in rules else _generic(fqn)
+            if rule in rules and rule not in names and rules[rule] != "replicate":
+                raise ValueError(
+                    f"tp_plan rule '{rule}' -> '{rules[rule]}' names the parameter '{fqn}', not a "
+                    "module: parameter-level styles (expert weights, attention sinks) have no "
+                    "translation")
     return found
 
 
@@ -193,7 +195,7 @@ def _heads(model: nn.Module, attn: nn.Module) -> tuple[int, int] | None:
     return nq, kv if isinstance(kv, int) else nq
 
 
-def _sequence_parallel(model: nn.Module, strings: Mapping[str, str],
+def _sequence_parallel(model: nn.Module, modules: Mapping[str, nn.Module], strings: Mapping[str, str],
                        styles: dict[str, ParallelStyle | None], attn_heads: Mapping) -> None:
     """Rewrite ``styles`` so activations between the blocks stay sharded on the sequence dim."""
     blocks = sorted({_parent(f) for f, s in strings.items() if s in _ROWWISE})
@@ -222,7 +224,7 @@ def _sequence_parallel(model: nn.Module, strings: Mapping[str, str],
         heads = attn_heads.get(b)
         styles[b] = (HFAttentionHeads(*heads, gather_sequence=True) if heads
                      else GatherSequence())
-    for fqn, module in model.named_modules():
+    for fqn, module in modules.items():
         if fqn in strings or fqn in styles or fqn.startswith(inside) or fqn in blocks:
             continue
         if any(True for _ in module.parameters(recurse=False)):
@@ -238,8 +240,36 @@ def translate_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict
     """:func:`fsdptk.hf.hf_tp_plan` (documented there): the model's declared plan, translated."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    strings = _match(model, _declared_plan(model))
-    modules = dict(model.named_modules())
+    from fsdptk._peft import base_modules
+
+    view = base_modules(model)
+    if view is None:
+        strings, styles = _translate_tree(model, dict(model.named_modules()), sequence_parallel)
+    else:  # a PEFT model: the base model's plan on its base layers, then the adapters'
+        if sequence_parallel:
+            raise ValueError(
+                "sequence_parallel=True is not supported on a PEFT model: its adapters would add "
+                "sequence-sharded and whole activations; use sequence_parallel=False")
+        get_base = getattr(model, "get_base_model", None)
+        base = get_base() if callable(get_base) else model
+        real = {b: f for b, (f, _) in view.items()}
+        strings_b, styles_b = _translate_tree(base, {b: m for b, (_, m) in view.items()}, False)
+        strings = {real[b]: s for b, s in strings_b.items()}
+        styles = {real[b]: s for b, s in styles_b.items()}
+        modules = dict(model.named_modules())
+        for fqn, style in list(styles.items()):
+            tuner = _parent(fqn)
+            if fqn.endswith(".base_layer") and style is not None:
+                styles.update(_adapter_styles(tuner, modules[tuner], style, strings[fqn]))
+    _tie(model, strings, styles)
+    return {f: style for f, _ in model.named_modules() if (style := styles.get(f)) is not None}
+
+
+def _translate_tree(model: nn.Module, modules: Mapping[str, nn.Module], sequence_parallel: bool
+                    ) -> tuple[dict[str, str], dict[str, ParallelStyle | None]]:
+    """(fqn -> style string, fqn -> style) over ``modules`` (the model's tree, fqn -> module; for
+    a PEFT model its base model's tree, base layers standing where their tuners are)."""
+    strings = _match(modules, _declared_plan(model))
     styles: dict[str, ParallelStyle | None] = {
         f: _translate(s, f, modules[f]) for f, s in strings.items()}
 
@@ -257,9 +287,48 @@ def translate_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict
         if parent not in strings:  # never replace a style the model declares for it
             styles[parent] = HFAttentionHeads(*heads)
     if sequence_parallel:
-        _sequence_parallel(model, strings, styles, attn_heads)
-    _tie(model, strings, styles)
-    return {f: style for f in modules if (style := styles.get(f)) is not None}
+        _sequence_parallel(model, modules, strings, styles, attn_heads)
+    return strings, styles
+
+
+def _adapter_styles(fqn: str, tuner: nn.Module, style: ParallelStyle, string: str
+                    ) -> dict[str, ParallelStyle]:
+    """The styles of a LoRA layer's adapters whose base layer gets ``style``.
+
+    ``y = W x + s * B (A x)``. Colwise ``W`` (output features split): ``B`` is split the same way
+    (its output adds to this rank's slice of ``W x``), ``A`` is whole on every rank; ``B``'s style
+    takes ``A x`` as replicated, so the gradient reaching ``A`` is summed over the TP ranks.
+    Rowwise ``W`` (input features split): ``A`` is split the same way and its partial sums are
+    all-reduced, ``B`` is whole on every rank and sees the whole ``A x``. Each adapter's
+    parameters keep their full shapes in state dicts; nothing else changes.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    where = f"'{fqn}' ({type(tuner).__name__}, base layer '{string}')"
+    if not isinstance(tuner, LoraLayer) or not isinstance(getattr(tuner, "base_layer", None), nn.Linear):
+        raise ValueError(f"tensor parallel on a PEFT tuner layer is built for LoRA on nn.Linear "
+                         f"only; {where} is not one")
+    variants = sorted(getattr(tuner, "lora_variant", {}) or {})
+    if variants or len(getattr(tuner, "lora_magnitude_vector", ())):
+        raise ValueError(
+            f"{where}: adapter(s) {variants} use a LoRA variant (DoRA, ...), whose weight norm reads "
+            "the whole base weight and B @ A in one piece; tensor parallel is built for plain LoRA")
+    out: dict[str, ParallelStyle] = {}
+    for name in tuner.lora_A:
+        a, b = f"{fqn}.lora_A.{name}", f"{fqn}.lora_B.{name}"
+        if isinstance(style, ReplicatedKVColwise):
+            out[b] = ReplicatedKVColwise(style.num_kv_heads)
+        elif isinstance(style, ColwiseParallel):
+            out[b] = ColwiseParallel(output_layouts=style.output_layouts[0],
+                                     use_local_output=style.use_local_output)
+        elif isinstance(style, RowwiseParallel):
+            out[a] = RowwiseKeepTied(input_layouts=style.input_layouts[0],
+                                     output_layouts=style.output_layouts[0],
+                                     use_local_output=style.use_local_output)
+        else:
+            raise ValueError(f"{where}: the base layer's style {type(style).__name__} has no LoRA "
+                             "counterpart; only colwise / rowwise projections can carry adapters")
+    return out
 
 
 # --------------------------------------------------------------------- per-rank bytes (planner)
