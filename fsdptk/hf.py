@@ -518,9 +518,9 @@ def save_adapter(
     """
     import sys
 
-    from fsdptk import _peft
     from fsdptk._core.dist import is_rank0, run_agreed
     from fsdptk._files.save import write_streamed
+    from fsdptk._plans import peft as _peft
 
     path = Path(path)
     names = run_agreed(lambda: _peft.adapter_file_names(model, adapter_name))  # every rank alike
@@ -601,9 +601,9 @@ def load_adapter(
         Traceback (most recent call last):
         TypeError: Linear has no PEFT adapter (no peft_config of PeftConfig objects): wrap it with peft.get_peft_model(model, config) before sharding
     """
-    from fsdptk import _peft
     from fsdptk._core.compat import IncompatibleKeys
     from fsdptk._core.dist import all_gather_object, is_rank0, run_agreed
+    from fsdptk._plans import peft as _peft
     from fsdptk.checkpoint import load_safetensors
 
     path = Path(path)

@@ -14,7 +14,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from fsdptk import _engine, _peft
+from fsdptk import _engine
 from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.dist import (
     check_comm_device,
@@ -25,6 +25,7 @@ from fsdptk._core.dist import (
 from fsdptk._core.names import tensor_groups
 from fsdptk._engine import bucket_size
 from fsdptk._engine.sources import RenamedSource, aliased
+from fsdptk._plans import peft as _peft
 from fsdptk._plans.buffers import (
     BufferView,
     assign_buffers,
@@ -156,7 +157,7 @@ def load_from_full_model_state_dict(
         dev = torch.device(device)
         nbytes = bucket_size(bucket_bytes)
         targets, aliases = _tensor_groups(model)
-        # a PEFT model reads a plain base checkpoint under its own keys (fsdptk._peft)
+        # a PEFT model reads a plain base checkpoint under its own keys (fsdptk._plans.peft)
         viewed = _peft.base_view(model, {} if full_sd is None else full_sd)
         source = aliased(viewed, aliases)
         buffers_local = buffer_local(model, init_buffers)

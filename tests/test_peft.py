@@ -472,7 +472,7 @@ def test_bad_input_is_one_error_on_every_rank(world, reference, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # single process
 def test_base_key_map_follows_the_module_tree(reference):
-    from fsdptk._peft import base_names
+    from fsdptk._plans.peft import base_names
 
     model = _meta_peft("qwen2", True)
     to_base, adapters = base_names(model)

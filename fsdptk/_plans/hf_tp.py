@@ -240,7 +240,7 @@ def translate_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict
     """:func:`fsdptk.hf.hf_tp_plan` (documented there): the model's declared plan, translated."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    from fsdptk._peft import base_modules
+    from fsdptk._plans.peft import base_modules
 
     view = base_modules(model)
     if view is None:
