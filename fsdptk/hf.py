@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from fsdptk._core.compat import IncompatibleKeys
 from fsdptk._files.hf_config import StagedConfig, hf_config, stage_files, stage_hf_config
 from fsdptk.predicates import no_split_modules
 
@@ -546,7 +547,7 @@ def load_adapter(
     shard_on_read: bool | None = None,
     bucket_bytes: int | None = None,
     progress: bool | None = None,
-) -> Any:
+) -> IncompatibleKeys:
     """Load a PEFT adapter directory into the adapter ``adapter_name`` of a (sharded) PEFT model.
 
     The directory is one ``PeftModel.save_pretrained`` or :func:`save_adapter` wrote. Its keys are
@@ -601,7 +602,6 @@ def load_adapter(
         Traceback (most recent call last):
         TypeError: Linear has no PEFT adapter (no peft_config of PeftConfig objects): wrap it with peft.get_peft_model(model, config) before sharding
     """
-    from fsdptk._core.compat import IncompatibleKeys
     from fsdptk._core.dist import all_gather_object, is_rank0, run_agreed
     from fsdptk._plans import peft as _peft
     from fsdptk.checkpoint import load_safetensors
