@@ -51,8 +51,25 @@ else
     TORCH="torch==$NEWEST_TORCH"
 fi
 if ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
+    NOCACHE=()
+    if [ "$LEG" = newest ]; then
+        # PyPI's CUDA build: about 3 GB of wheels that unpack to about 5.5 GB. Without pip's cache
+        # the wheels are held once (in the temporary directory), not twice; the peak is about 9 GB.
+        NOCACHE=(--no-cache-dir)
+        NEED_GB="${FSDPTK_NEWEST_NEED_GB:-9}"
+        for DIR in "$VENV" "${TMPDIR:-/tmp}"; do
+            FREE_KB="$(df -Pk "$DIR" | awk 'NR == 2 {print $4}')"
+            if [ "$FREE_KB" -lt $((NEED_GB * 1024 * 1024)) ]; then
+                echo "[setup] the newest leg installs $TORCH (PyPI's CUDA build, about 3 GB of wheels" \
+                     "unpacking to 5.5 GB) and needs about $NEED_GB GB free; $DIR has" \
+                     "$((FREE_KB / 1024)) MB free. Free some disk, or run the pinned leg alone:" \
+                     "bash scripts/test.sh --leg pinned" >&2
+                exit 1
+            fi
+        done
+    fi
     echo "[setup] installing $TORCH into $VENV"
-    "$VPY" -m pip install -q "${PINS[@]}" "$TORCH"
+    "$VPY" -m pip install -q "${NOCACHE[@]}" "${PINS[@]}" "$TORCH"
 fi
 if ! "$VPY" -c 'import fsdptk, safetensors, torchao, tqdm' >/dev/null 2>&1 || [ -n "$EXTRAS" ]; then
     echo "[setup] installing fsdptk${EXTRAS:+[$EXTRAS]} (editable) into $VENV"
