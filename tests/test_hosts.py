@@ -279,9 +279,13 @@ def test_clear_error_when_not_root(monkeypatch):
 PEER_LAYERS, PEER_DIM = 4, 512  # S = 4 x (512 x 512 + 512) x 4 bytes = 4,202,496
 PEER_S = PEER_LAYERS * (PEER_DIM * PEER_DIM + PEER_DIM) * 4
 N = HOSTS * PER_HOST
+# A step whose formula is 0 but which builds process groups inside the call (both HF loads build
+# their device mesh) has moved 17-380 KB across the hosts here, varying from run to run on this
+# busy machine: allowed up to 1 MiB, half of the HF model's embedding alone (2.1 MB; S = 5 MB).
+PEER_ZERO_ALLOWANCE = 1024 * 1024
 
 
-def _peer_formula(method: str, mesh: str, scenario: str, s: float, s_hf: float) -> float:
+def _peer_formula(mesh: str, method: str, scenario: str, s: float, s_hf: float) -> float:
     """Bytes across hosts read from the peers' code (docs/scale.md): accelerate's load is a world
     broadcast ((N-K) S over gloo's tree) and then ``distribute_tensor`` from rank 0 (a scatter,
     S (H-1)/H, for FSDP; for HSDP a broadcast over dp_replicate, another (N-K) S); its gather and
@@ -347,5 +351,5 @@ def test_peers_match_the_reference_and_their_formulas(peer_steps):
     for key, step in steps.items():
         assert step["ranks"] == N and step["checks"] == {"ok"}, (key, step["checks"])
         formula = _peer_formula(*key, PEER_S, s_hf)
-        slack = formula * ALLOWANCE_FRACTION + ALLOWANCE_BYTES
+        slack = formula * ALLOWANCE_FRACTION + ALLOWANCE_BYTES if formula else PEER_ZERO_ALLOWANCE
         assert formula - slack <= step["crossed"] <= formula + slack, (key, step["crossed"], formula)
