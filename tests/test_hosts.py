@@ -279,9 +279,10 @@ def test_clear_error_when_not_root(monkeypatch):
 PEER_LAYERS, PEER_DIM = 4, 512  # S = 4 x (512 x 512 + 512) x 4 bytes = 4,202,496
 PEER_S = PEER_LAYERS * (PEER_DIM * PEER_DIM + PEER_DIM) * 4
 N = HOSTS * PER_HOST
-# A step whose formula is 0 but which builds process groups inside the call (both HF loads build
-# their device mesh) has moved 17-380 KB across the hosts here, varying from run to run on this
-# busy machine: allowed up to 1 MiB, half of the HF model's embedding alone (2.1 MB; S = 5 MB).
+# A step whose formula is 0 has moved up to 380 KB across the hosts here: both HF loads build
+# their device meshes inside the call (17-82 KB), and now and then a step carries 250-330 KB more
+# from a source not identified (docs/scale.md). Allowed: 1 MiB, half the HF model's embedding alone
+# (2.1 MB; S = 5 MB): a shard-on-read load that sent the model across would still fail.
 PEER_ZERO_ALLOWANCE = 1024 * 1024
 
 
