@@ -8,11 +8,20 @@ writes ``rank<r>.json`` into the spec's ``out_dir``: per step the seconds, the c
 what differs from the single-process reference) and, on local rank 0, the link counters before and
 after. Correctness is bit-exact against the reference state each rank rebuilds from the seed.
 
-Used by tests/test_hosts.py (methods ``fsdptk``) and ``python -m benchmarks hosts`` (``fsdptk``
-and ``dcp``). Spec keys: ``layers``, ``dim`` (the model: ``layers`` x Linear(dim, dim)),
-``dtype``, ``meshes`` (``fsdp``, ``hsdp``), ``scenarios`` (``noop``, ``load``, ``shard_on_read``,
-``gather``, ``save``, ``optim_load``, ``optim_gather``, ``kill_load``), ``methods``, ``repeats``,
-``ckpt`` (a directory with ``{host}`` in it: each host's own copy), ``out_dir``.
+A step may return a callable instead of a check string: it runs after the counters are read
+(checks that communicate, such as a sharded forward for the logits, stay out of the measurement).
+
+Used by tests/test_hosts.py and ``python -m benchmarks hosts``. Methods on the ``layers`` x
+Linear(dim, dim) model: ``fsdptk``, ``dcp`` (PyTorch's state-dict API), ``accelerate`` (its FSDP2
+functions: ``fsdp2_load_full_state_dict``, ``Accelerator.get_state_dict``, ``save_model``). On
+the Hugging Face model of ``hf_ckpt``: ``transformers`` (``from_pretrained(distributed_config=...)``,
+``save_pretrained``) and ``fsdptk-hf`` (``fsdptk.hf.from_pretrained``, ``save_safetensors``). A
+method skips the scenarios it has no call for. Spec keys: ``layers``, ``dim``, ``dtype``,
+``meshes`` (``fsdp``, ``hsdp``), ``scenarios`` (``noop``, ``load``, ``shard_on_read``, ``gather``,
+``save``, ``optim_load``, ``optim_gather``, ``kill_load``), ``methods``, ``repeats``, ``ckpt`` (a
+directory with ``{host}`` in it: each host's own copy), ``out_dir``; for the HF methods
+``hf_ckpt`` (likewise per host) and ``hf_ref`` (a ``torch.save`` file: ``input_ids`` and the
+single-process ``logits``).
 """
 
 from __future__ import annotations
@@ -31,6 +40,9 @@ from torch import nn
 from fsdptk.testing.hosts import link_stats
 
 SEED = 1234
+HF_METHODS = ("transformers", "fsdptk-hf")  # the methods that load and save the HF model
+HF_VOCAB, HF_HEADS = 4096, 8  # the HF Llama of write_hf_checkpoints
+LOGITS_ATOL = 1e-5  # float32 logits: sharded reductions round differently (tests/test_hf_from_pretrained.py)
 
 
 def build(layers: int, dim: int, dtype: torch.dtype, device: str = "meta") -> nn.Module:
@@ -46,6 +58,40 @@ def reference_state(layers: int, dim: int, dtype: torch.dtype) -> dict[str, torc
         sd[f"{i}.weight"] = torch.randn(dim, dim, generator=gen).to(dtype)
         sd[f"{i}.bias"] = torch.randn(dim, generator=gen).to(dtype)
     return sd
+
+
+def hf_config(layers: int, dim: int):
+    """The HF model: a Llama with untied embeddings (every tensor saved once), float32."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        hidden_size=dim, intermediate_size=3 * dim, num_hidden_layers=layers,
+        num_attention_heads=HF_HEADS, num_key_value_heads=HF_HEADS, vocab_size=HF_VOCAB,
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2, dtype="float32")
+
+
+def write_hf_checkpoints(work: Path, hosts: int, layers: int, dim: int) -> dict:
+    """``save_pretrained`` of a seeded Llama, one copy per host, and the single-process logits.
+
+    Returns the spec keys ``hf_ckpt`` and ``hf_ref`` and the checkpoint's tensor bytes.
+    """
+    import shutil
+
+    import transformers
+
+    torch.manual_seed(0)
+    src = work / "host0" / "hf"
+    transformers.AutoModelForCausalLM.from_config(hf_config(layers, dim)).save_pretrained(src)
+    for h in range(1, hosts):
+        shutil.copytree(src, work / f"host{h}" / "hf")
+    model = transformers.AutoModelForCausalLM.from_pretrained(src)  # one process: the reference
+    ids = torch.randint(3, HF_VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    torch.save({"input_ids": ids, "logits": logits}, work / "hf_ref.pt")
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return {"hf_ckpt": str(work / "host{host}" / "hf"), "hf_ref": str(work / "hf_ref.pt"),
+            "hf_model_bytes": nbytes}
 
 
 def reference_optim(sd: dict[str, torch.Tensor]) -> dict:
@@ -103,6 +149,54 @@ def check_full(got: dict, ref: dict[str, torch.Tensor]) -> str:
     return "ok"
 
 
+def check_hf_model(model: nn.Module, ref: dict[str, torch.Tensor], hf_ref: dict):
+    """Every shard bit-exact (here), then the logits of a sharded forward (the returned callable:
+    it all-gathers parameters, so it runs after the link counters are read)."""
+    shards = "ok"
+    state = model.state_dict()
+    if sorted(state) != sorted(ref):
+        shards = f"keys differ: {sorted(set(state) ^ set(ref))[:5]}"
+    for k, p in state.items():
+        if shards != "ok":
+            break
+        got = p.to_local() if hasattr(p, "to_local") else p
+        want = _local_ref(ref[k], p) if hasattr(p, "to_local") else ref[k]
+        if got.dtype != want.dtype or not torch.equal(got, want):
+            shards = f"shard of {k} differs from the reference"
+
+    def logits() -> str:  # collective: every rank runs the forward, whatever its shards said
+        with torch.no_grad():
+            got = model(input_ids=hf_ref["input_ids"]).logits
+        diff = (got - hf_ref["logits"]).abs().max().item()
+        if shards != "ok":
+            return shards
+        return "ok" if diff <= LOGITS_ATOL else f"logits differ from the single-process model's by {diff:.3g}"
+    return logits
+
+
+_ACCELERATOR: list = []
+
+
+def accelerator():
+    """accelerate's ``Accelerator`` in FSDP2 mode (one per process).
+
+    accelerate sets ``DistributedType.FSDP`` only for accelerator devices (``state.py``: a CPU
+    world is ``MULTI_CPU`` whatever plugin is passed), so on this CPU machine the shared state is
+    switched to FSDP2 after construction: what accelerate sets itself on GPUs, so that its own
+    FSDP2 branches (``get_state_dict``, ``save_model``) run unchanged.
+    """
+    if not _ACCELERATOR:
+        from accelerate import Accelerator
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        acc = Accelerator(cpu=True)
+        acc.state.fsdp_plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+        acc.state.distributed_type = DistributedType.FSDP
+        assert acc.is_fsdp2
+        _ACCELERATOR.append(acc)
+    return _ACCELERATOR[0]
+
+
 def check_optim_shards(opt, model: nn.Module, ref: dict) -> str:
     names = {p: n for n, p in model.named_parameters()}
     for p, st in opt.state.items():
@@ -138,6 +232,18 @@ class Steps:
         host_ckpt = spec["ckpt"].format(host=os.environ["FSDPTK_HOST"])
         self.ckpt = Path(host_ckpt)
         self.save_dir = Path(spec["out_dir"]) / f"save-{mesh_kind}-{method}"
+        self.hf = method in HF_METHODS
+        if self.hf:
+            from safetensors.torch import load_file
+
+            self.hf_ckpt = Path(spec["hf_ckpt"].format(host=os.environ["FSDPTK_HOST"]))
+            self.hf_state = load_file(self.hf_ckpt / "model.safetensors")
+            self.hf_ref = torch.load(spec["hf_ref"], weights_only=True)
+            # imported here, untimed: the first timed load would otherwise pay transformers' lazy imports
+            import transformers.distributed.fsdp  # noqa: F401
+            import transformers.models.llama.modeling_llama  # noqa: F401
+
+            import fsdptk.hf  # noqa: F401
 
     def fresh_model(self) -> nn.Module:
         self.model = sharded(self.spec, self.mesh)
@@ -156,7 +262,93 @@ class Steps:
 
     # setups return the callable to time
     def setup(self, scenario: str):
+        """The callable to time, or ``None`` where the method has no call for the scenario."""
+        if scenario == "noop":
+            return self.setup_noop()
+        if self.hf:
+            return getattr(self, f"setup_hf_{scenario}", lambda: None)()
+        if self.method == "accelerate":
+            return getattr(self, f"setup_accelerate_{scenario}", lambda: None)()
         return getattr(self, f"setup_{scenario}")()
+
+    # accelerate 1.15, FSDP2 (accelerate/utils/fsdp_utils.py, accelerator.py); the Linear model
+    def setup_accelerate_load(self):
+        from accelerate.utils.fsdp_utils import fsdp2_load_full_state_dict
+
+        acc = accelerator()
+        model = self.fresh_model()
+        full = dict(self.ref) if self.rank == 0 else {}
+
+        def run():
+            fsdp2_load_full_state_dict(acc, model, full)  # a world broadcast, then distribute_tensor
+            return check_shards(model, self.ref)
+        return run
+
+    def setup_accelerate_gather(self):
+        acc = accelerator()
+        model = self.loaded_model()
+
+        def run():
+            got = acc.get_state_dict(model)  # FSDP2: get_model_state_dict(full_state_dict, cpu_offload)
+            return check_full(got, self.ref) if self.rank == 0 else ("ok" if not got else "non-empty")
+        return run
+
+    def setup_accelerate_save(self):
+        acc = accelerator()
+        model = self.loaded_model()
+        out = self.save_dir
+
+        def run():
+            acc.save_model(model, out, safe_serialization=True)  # get_state_dict, then rank 0 writes
+            if self.rank:
+                return "ok"
+            from safetensors.torch import load_file
+
+            return check_full(load_file(out / "model.safetensors"), self.ref)
+        return run
+
+    # the HF model: transformers' distributed path and fsdptk.hf on the same checkpoint
+    def _hf_load(self):
+        """The timed load of the HF model from this host's own copy (shard-on-read for both)."""
+        world, k = dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"])
+        hsdp = self.mesh_kind == "hsdp"
+        if self.method == "transformers":
+            import transformers
+            from transformers.distributed import DistributedConfig
+
+            config = DistributedConfig(fsdp_size=k if hsdp else world, dp_replicate_size=world // k if hsdp else 1)
+            return transformers.AutoModelForCausalLM.from_pretrained(self.hf_ckpt, distributed_config=config)
+        from fsdptk import ParallelDims
+        from fsdptk.hf import from_pretrained
+
+        dims = ParallelDims(dp_replicate=world // k, dp_shard=k) if hsdp else None
+        return from_pretrained(self.hf_ckpt, dims=dims)
+
+    def setup_hf_shard_on_read(self):
+        def run():
+            return check_hf_model(self._hf_load(), self.hf_state, self.hf_ref)
+        return run
+
+    def setup_hf_save(self):
+        model = self._hf_load()  # untimed; reads this host's copy: no traffic
+        out = self.save_dir
+        if self.method == "transformers":
+            def save():
+                model.save_pretrained(out)  # FSDP: gather_full_state_dict, then rank 0 writes
+        else:
+            from fsdptk import save_safetensors
+
+            def save():
+                save_safetensors(model, out, progress=False)
+
+        def run():
+            save()
+            if self.rank:
+                return "ok"
+            from safetensors.torch import load_file
+
+            return check_full(load_file(out / "model.safetensors"), self.hf_state)
+        return run
 
     def setup_noop(self):
         return lambda: "ok"
@@ -322,7 +514,13 @@ def measured(fn) -> dict:
         check = f"error: {type(e).__name__}: {e}"
     seconds = time.perf_counter() - t0
     dist.barrier()
-    return {"seconds": seconds, "check": check, "before": before, "after": _counters()}
+    after = _counters()
+    if callable(check):  # a check that communicates: outside the measurement
+        try:
+            check = check()
+        except Exception as e:  # noqa: BLE001
+            check = f"error in the check: {type(e).__name__}: {e}"
+    return {"seconds": seconds, "check": check, "before": before, "after": after}
 
 
 def kill_load(spec: dict, out: Path) -> None:
