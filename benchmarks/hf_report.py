@@ -146,7 +146,6 @@ _RATIOS = [("load", "load_s", "<= 0.7 at >= 2 GB, 2 and 4 ranks"), ("load + firs
            ("train step", "step_s", None), ("save", "save_s", None),
            ("anon after train step, rank 0", "step_anon_r0", "<= 1"),
            ("anon after train step, ranks > 0", "step_anon_rN", "<= 1"),
-           ("same, heap trimmed, rank 0", "step_live_r0", None), ("same, heap trimmed, ranks > 0", "step_live_rN", None),
            ("peak over save, rank 0", "save_peak_r0", None)]
 
 
@@ -189,18 +188,24 @@ def _ratios(rows: dict) -> list[str]:
 
 
 def not_ahead(rows: dict) -> list[str]:
-    """One line per (metric, cell) where fsdptk is not ahead of transformers (ratio >= 1) or misses a target."""
-    out = []
+    """Lines for the cells where fsdptk is behind transformers (ratio > 1.00 at two decimals) or
+    misses a target, then one line per metric where the two are equal (1.00)."""
+    out, ties = [], defaultdict(list)
     for k, ratios in _ratio_rows(rows):
+        cell = f"{k[0]}, {k[1]} ranks, {rows[k]['model_bytes'] / GB:.2f} GB"
         for label, f, _ in _RATIOS:
             r = ratios[f]
             if r is None:
                 continue
             met = _target_met(f, k, r)
-            if round(r, 2) >= 1.0 or met is False:
-                why = "target missed" if met is False and round(r, 2) < 1.0 else "not ahead"
-                out.append(f"- {label}: {r:.2f} at {k[0]}, {k[1]} ranks, {rows[k]['model_bytes'] / GB:.2f} GB "
-                           f"({why})")
+            if round(r, 2) > 1.0:
+                out.append(f"- {label}: {r:.2f} at {cell} (behind)")
+            elif met is False:
+                out.append(f"- {label}: {r:.2f} at {cell} (ahead, but the target is missed)")
+            elif round(r, 2) == 1.0:
+                ties[label].append(cell)
+    total = len(_ratio_rows(rows))
+    out += [f"- {label}: equal (1.00) in {len(cells)} of {total} cells" for label, cells in ties.items()]
     return out
 
 
