@@ -7,4 +7,8 @@ Modules: :mod:`benchmarks.model` (the Llama-style model of configurable size), :
 :mod:`benchmarks.model_state` and :mod:`benchmarks.optim_state` over :mod:`benchmarks.common`;
 :mod:`benchmarks.measure` (RSS and bytes from the OS), :mod:`benchmarks.worker` (one rank of one run), :mod:`benchmarks.runner` (launching fresh process groups), :mod:`benchmarks.limits`
 (loopback and memory/file bandwidths), :mod:`benchmarks.report` (tables, plots, the results page).
+Subcommands with their own modules: ``wire``, ``hosts``, ``async-save``, ``adapter-save`` and ``hf``
+(:mod:`benchmarks.hf_peer`: transformers' distributed ``from_pretrained`` / ``save_pretrained`` beside
+fsdptk's, over model size and ranks; one rank in :mod:`benchmarks.hf_worker`, the docs section and
+plots in :mod:`benchmarks.hf_report`).
 """

@@ -11,6 +11,7 @@ Examples::
     python -m benchmarks hosts --hosts 2 --per-host 2 --rate 1gbit   # root: simulated hosts, bytes across them
     .venv-peers/bin/python -m benchmarks async-save --size 1 --worlds 2 4  # background vs synchronous saves
     python -m benchmarks adapter-save --worlds 2     # LoRA adapter save vs accelerate's FSDP2 path
+    python -m benchmarks hf --quick                  # transformers' distributed load/save beside fsdptk's
 
 ``--device cuda`` runs the same scenarios with each rank on its own GPU (``cuda:<rank>``) over NCCL:
 shards are loaded onto / gathered from the GPUs, the in-memory full states the methods read are in
@@ -324,6 +325,10 @@ def main(argv: list[str] | None = None) -> int:
         from .adapter_save import main as adapter_main
 
         return adapter_main(argv[1:])
+    if argv[:1] == ["hf"]:  # transformers' distributed from_pretrained / save_pretrained; scaling
+        from .hf_peer import main as hf_main
+
+        return hf_main(argv[1:])
     args = parse_args(argv)
     if args.device == "cuda" and not args.from_json:
         problem = cuda_problem(args)

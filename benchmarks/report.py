@@ -15,6 +15,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from .hf_report import hf_section
 from .methods import METHODS, PEERS, SCENARIO_TITLES, SCENARIOS
 
 __all__ = ["aggregate", "render_tables", "write_docs", "ideal_time", "gpu_section", "render_gpu_section",
@@ -350,7 +351,9 @@ def write_docs(results: dict, page: Path, *, notes: str = "", sources: list[str]
     parts += [f"![{p.stem}](img/{p.name})\n" for p in pngs]
     if problems:
         parts += ["## Runs that did not complete, or that do not apply\n", "\n".join(problems) + "\n"]
-    parts.append(gpu_section(page.read_text() if page.is_file() else ""))  # a GPU run's own block
+    old = page.read_text() if page.is_file() else ""
+    parts.append(hf_section(old))  # ``python -m benchmarks hf --write-docs``'s own block
+    parts.append(gpu_section(old))  # a GPU run's own block
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text("\n".join(parts))
     return [page, *pngs]

@@ -92,8 +92,10 @@ def _tail(path: Path, n: int = 3000) -> str:
         return ""
 
 
-def launch_workers(spec: dict, world: int, python: str, out_dir: Path, timeout: float) -> RunOutcome:
-    """Run ``benchmarks.worker`` on ``world`` ranks with ``spec``; results from ``out_dir``."""
+def launch_workers(spec: dict, world: int, python: str, out_dir: Path, timeout: float, *,
+                   module: str = "benchmarks.worker") -> RunOutcome:
+    """Run ``module`` (default ``benchmarks.worker``) on ``world`` ranks with ``spec``; results
+    from ``out_dir`` (``rank<r>.json`` of each rank)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = dict(spec, out_dir=str(out_dir))
     spec_path = out_dir / "spec.json"
@@ -103,7 +105,7 @@ def launch_workers(spec: dict, world: int, python: str, out_dir: Path, timeout: 
     for rank in range(world):
         log = open(out_dir / f"rank{rank}.log", "w")
         logs.append(log)
-        procs.append(subprocess.Popen([python, "-m", "benchmarks.worker", str(spec_path)], cwd=REPO,
+        procs.append(subprocess.Popen([python, "-m", module, str(spec_path)], cwd=REPO,
                                       env=_env(world, rank, port), stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
     try:

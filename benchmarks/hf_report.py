@@ -1,0 +1,388 @@
+"""Tables, plots and the docs section of ``python -m benchmarks hf`` (see :mod:`benchmarks.hf_peer`).
+
+The section of docs/benchmarks.md between :data:`HF_BEGIN` and :data:`HF_END` is this module's;
+``python -m benchmarks --write-docs`` (the main page) keeps it as it is. Plots need matplotlib
+only (imported when they are drawn).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from .runner import REPO
+
+__all__ = ["HF_BEGIN", "HF_END", "aggregate", "render", "plot", "section", "hf_section", "write_docs"]
+
+HF_BEGIN = ("<!-- hf-section: written by `python -m benchmarks hf --write-docs`; kept when the rest of the page "
+            "is regenerated -->")
+HF_END = "<!-- /hf-section -->"
+GB, MB = 1e9, 1e6
+# the issue's targets (fsdptk / transformers): load at >= 2 GB and 2 or 4 ranks, load + first
+# forward, resident anonymous memory after the first training step
+LOAD_TARGET = 0.7
+
+
+def _med(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _per_run(rec: dict[str, Any]) -> dict[str, float]:
+    """One ok run's figures: times (max over ranks), memory and bytes of rank 0 and max of ranks > 0."""
+    ranks = sorted(rec["ranks"], key=lambda r: r["rank"])
+    r0, rest = ranks[0], ranks[1:] or ranks[:1]
+
+    def both(name: str, get) -> dict[str, float]:
+        return {f"{name}_r0": get(r0), f"{name}_rN": max(get(r) for r in rest)}
+
+    out = {
+        "load_s": max(r["load"]["s"] for r in ranks),
+        "fwd_s": max(r["forward"]["s"] for r in ranks),
+        "load_fwd_s": max(r["load"]["s"] + r["forward"]["s"] for r in ranks),
+        "step_s": max(r["step"]["s"] for r in ranks),
+        "save_s": max(r["save"]["s"] for r in ranks),
+        "start_s": max(r["import_s"] + r["init_s"] for r in ranks),
+    }
+    out.update(both("load_peak", lambda r: r["load"]["peak"]))
+    out.update(both("load_anon", lambda r: r["load"]["anon"]))
+    out.update(both("load_file", lambda r: r["load"]["file"]))
+    out.update(both("fwd_anon", lambda r: r["forward"]["anon"]))
+    out.update(both("fwd_rss", lambda r: r["forward"]["rss"]))
+    out.update(both("step_anon", lambda r: r["step"]["anon"]))
+    out.update(both("step_rss", lambda r: r["step"]["rss"]))
+    if all("anon_trimmed" in r["step"] for r in ranks):  # results of an earlier worker lack it
+        out.update(both("step_live", lambda r: r["step"]["anon_trimmed"]))
+    out.update(both("step_peak", lambda r: r["step"]["peak"]))
+    out.update(both("save_peak", lambda r: r["save"]["peak"]))
+    out.update(both("save_above", lambda r: r["save"]["peak"] - r["save"]["rss0"]))
+    out.update(both("load_sent", lambda r: r["load"]["sent"]))
+    out.update(both("save_sent", lambda r: r["save"]["sent"]))
+    out["peak_any"] = max(max(r[p]["peak"] for p in ("load", "forward", "step", "save")) for r in ranks)
+    return out
+
+
+def aggregate(results: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
+    """(mesh, world, size_gb, method) -> medians over repeats, status, checks."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for rec in results["records"]:
+        groups[(rec["mesh"], rec["world"], rec["size_gb"], rec["method"])].append(rec)
+    rows = {}
+    for key, recs in groups.items():
+        ok = [r for r in recs if r["status"] == "ok"]
+        row: dict[str, Any] = {"status": "ok" if ok else recs[0]["status"], "error": None if ok else recs[0].get("error"),
+                               "model_bytes": recs[0]["model_bytes"], "runs": len(ok)}
+        if ok:
+            per = [_per_run(r) for r in ok]
+            row.update({k: _med([p.get(k) for p in per]) for k in per[0]})
+        checks = [r.get("check") for r in ok]
+        voids = [c["void"] for c in checks if c and c.get("void")]
+        row["check"] = ("VOID: " + voids[0]) if voids else ("ok" if checks and all(checks) else "unchecked")
+        diffs = [c["logits_max_diff"] for c in checks if c and c.get("logits_max_diff") is not None]
+        row["logits_diff"] = max(diffs) if diffs else None
+        rows[key] = row
+    return rows
+
+
+def _sort_key(key: tuple) -> tuple:
+    mesh, world, size, method = key
+    return (list(MESH_ORDER).index(mesh) if mesh in MESH_ORDER else 9, world, size, method != "transformers")
+
+
+MESH_ORDER = ("fsdp", "fsdp-tp2")
+
+
+def _g(x: float | None, d: int = 2) -> str:
+    return "-" if x is None else f"{x / GB:.{d}f}"
+
+
+def _s(x: float | None) -> str:
+    return "-" if x is None else (f"{x:.2f}" if x < 100 else f"{x:.0f}")
+
+
+def _m(x: float | None) -> str:
+    return "-" if x is None else f"{x / MB:,.0f}"
+
+
+def render(results: dict[str, Any]) -> str:
+    """The tables of a result file (markdown)."""
+    rows = aggregate(results)
+    keys = sorted((k for k in rows if rows[k]["status"] == "ok"), key=_sort_key)
+    t = ["**Time** (s; max over ranks, median over repeats):\n",
+         "| mesh | ranks | model GB | method | load | first forward | load + forward | train step | save | "
+         "imports + init | check |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+    m = ["**Memory** (GB; rank 0 / max of the other ranks; *peak*: `VmHWM` over the phase, reset at its start; "
+         "*anon*: `RssAnon` after the phase; *heap trimmed*: after glibc's `malloc_trim(0)`, the live memory):\n",
+         "| mesh | ranks | model GB | method | peak over load | anon after load | file pages after load | "
+         "anon after forward | anon after train step | same, heap trimmed | RSS after train step | peak over "
+         "save, rank 0 (above RSS before) |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    b = ["**Bytes sent** (MB; rank 0 / max of the other ranks) beside the ideal (load: 0, every rank reads its own "
+         "slices of the files; save: each rank > 0 sends its 1/ranks of the model to rank 0, rank 0 sends "
+         "nothing):\n",
+         "| mesh | ranks | model GB | method | load | save | save, ideal per rank > 0 |",
+         "|---|---|---|---|---|---|---|"]
+    for k in keys:
+        r = rows[k]
+        head = f"| {k[0]} | {k[1]} | {r['model_bytes'] / GB:.2f} | {k[3]} |"
+        check = r["check"] + (f" (logits max diff {r['logits_diff']:.1e})" if r["logits_diff"] is not None else "")
+        t.append(f"{head} {_s(r['load_s'])} | {_s(r['fwd_s'])} | {_s(r['load_fwd_s'])} | {_s(r['step_s'])} | "
+                 f"{_s(r['save_s'])} | {_s(r['start_s'])} | {check} |")
+        m.append(f"{head} {_g(r['load_peak_r0'])} / {_g(r['load_peak_rN'])} | {_g(r['load_anon_r0'])} / "
+                 f"{_g(r['load_anon_rN'])} | {_g(r['load_file_r0'])} / {_g(r['load_file_rN'])} | "
+                 f"{_g(r['fwd_anon_r0'])} / {_g(r['fwd_anon_rN'])} | {_g(r['step_anon_r0'])} / "
+                 f"{_g(r['step_anon_rN'])} | {_g(r.get('step_live_r0'))} / {_g(r.get('step_live_rN'))} | {_g(r['step_rss_r0'])} / {_g(r['step_rss_rN'])} | "
+                 f"{_g(r['save_peak_r0'])} ({_g(r['save_above_r0'])}) |")
+        b.append(f"{head} {_m(r['load_sent_r0'])} / {_m(r['load_sent_rN'])} | {_m(r['save_sent_r0'])} / "
+                 f"{_m(r['save_sent_rN'])} | {_m(r['model_bytes'] / k[1])} |")
+    return "\n".join(t + [""] + m + [""] + b + [""] + _ratios(rows)) + "\n"
+
+
+# (label, field, the target the issue sets or None)
+_RATIOS = [("load", "load_s", "<= 0.7 at >= 2 GB, 2 and 4 ranks"), ("load + first forward", "load_fwd_s", "<= 1"),
+           ("train step", "step_s", None), ("save", "save_s", None),
+           ("anon after train step, rank 0", "step_anon_r0", "<= 1"),
+           ("anon after train step, ranks > 0", "step_anon_rN", "<= 1"),
+           ("peak over save, rank 0", "save_peak_r0", None)]
+
+
+def _ratio_rows(rows: dict) -> list[tuple[tuple, dict[str, float | None]]]:
+    out = []
+    for k in sorted(rows, key=_sort_key):
+        if k[3] != "fsdptk":
+            continue
+        ours, theirs = rows[k], rows.get((*k[:3], "transformers"))
+        if not theirs or ours["status"] != "ok" or theirs["status"] != "ok":
+            continue
+        out.append((k, {f: (ours[f] / theirs[f] if theirs.get(f) and ours.get(f) else None) for _, f, _ in _RATIOS}))
+    return out
+
+
+def _target_met(field: str, key: tuple, ratio: float) -> bool | None:
+    """Whether ``ratio`` meets the issue's target for ``field`` (judged at the two decimals shown)."""
+    ratio = round(ratio, 2)
+    if field == "load_s":
+        return ratio <= LOAD_TARGET if key[2] >= 2 and key[1] in (2, 4) else None
+    if field in ("load_fwd_s", "step_anon_r0", "step_anon_rN"):
+        return ratio <= 1.0
+    return None
+
+
+def _ratios(rows: dict) -> list[str]:
+    lines = ["**fsdptk / transformers** (< 1: fsdptk is faster or leaner; **bold**: a target of issue 24 missed):\n",
+             "| mesh | ranks | model GB | " + " | ".join(f"{label}" for label, _, _ in _RATIOS) + " | check |",
+             "|---|---|---|" + "---|" * (len(_RATIOS) + 1),
+             "| target | | | " + " | ".join(t or "" for _, _, t in _RATIOS) + " | |"]
+    for k, ratios in _ratio_rows(rows):
+        cells = []
+        for _, f, _ in _RATIOS:
+            r = ratios[f]
+            met = None if r is None else _target_met(f, k, r)
+            cells.append("-" if r is None else f"**{r:.2f}**" if met is False else f"{r:.2f}")
+        lines.append(f"| {k[0]} | {k[1]} | {rows[k]['model_bytes'] / GB:.2f} | " + " | ".join(cells)
+                     + f" | {rows[k]['check'].split(' (')[0]} |")
+    return lines
+
+
+def not_ahead(rows: dict) -> list[str]:
+    """Lines for the cells where fsdptk is behind transformers (ratio > 1.00 at two decimals) or
+    misses a target, then one line per metric where the two are equal (1.00)."""
+    out, ties = [], defaultdict(list)
+    for k, ratios in _ratio_rows(rows):
+        cell = f"{k[0]}, {k[1]} ranks, {rows[k]['model_bytes'] / GB:.2f} GB"
+        for label, f, _ in _RATIOS:
+            r = ratios[f]
+            if r is None:
+                continue
+            met = _target_met(f, k, r)
+            if round(r, 2) > 1.0:
+                out.append(f"- {label}: {r:.2f} at {cell} (behind)")
+            elif met is False:
+                out.append(f"- {label}: {r:.2f} at {cell} (ahead, but the target is missed)")
+            elif round(r, 2) == 1.0:
+                ties[label].append(cell)
+    total = len(_ratio_rows(rows))
+    out += [f"- {label}: equal (1.00) in {len(cells)} of {total} cells" for label, cells in ties.items()]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+_COLORS = {"fsdptk": "tab:blue", "transformers": "tab:red"}
+_STYLES = {"fsdp": "-", "fsdp-tp2": "--"}
+_PANELS = [("load_s", "load (s)", 1), ("load_fwd_s", "load + first forward (s)", 1), ("save_s", "save (s)", 1),
+           ("load_peak_rN", "peak RSS over load, max of ranks > 0 (GB)", GB),
+           ("step_anon_r0", "RssAnon after train step, rank 0 (GB)", GB),
+           ("save_peak_r0", "peak RSS over save, rank 0 (GB)", GB)]
+
+
+def _lines(ax, rows: dict, x_of, keep, field: str, scale: float) -> None:
+    for method in ("fsdptk", "transformers"):
+        for mesh in MESH_ORDER:
+            pts = sorted((x_of(k), rows[k][field] / scale) for k in rows
+                         if k[3] == method and k[0] == mesh and keep(k) and rows[k]["status"] == "ok"
+                         and rows[k].get(field) is not None)
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", color=_COLORS[method], linestyle=_STYLES[mesh], label=f"{method}, {mesh}")
+
+
+def plot(results: dict[str, Any], img_dir: Path, *, world: int, size: float) -> list[Path]:
+    """bench_hf_size.png (over model size at ``world`` ranks), bench_hf_world.png (over ranks at
+    ``size`` GB), bench_hf_bytes.png (bytes sent per rank beside the ideal)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = aggregate(results)
+    img_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, x_of, keep, xlabel, title in [
+        ("size", lambda k: rows[k]["model_bytes"] / GB, lambda k: k[1] == world, "model size (GB of fp32)",
+         f"transformers' distributed path vs fsdptk over model size, {world} ranks"),
+        ("world", lambda k: k[1], lambda k: k[2] == size, "ranks",
+         f"transformers' distributed path vs fsdptk over ranks, {size:g} GB model"),
+    ]:
+        fig, axes = plt.subplots(2, 3, figsize=(14, 8), squeeze=False)
+        for ax, (field, label, scale) in zip(axes.flat, _PANELS):
+            _lines(ax, rows, x_of, keep, field, scale)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(label)
+            ax.set_xlim(left=0)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        fig.suptitle(title)
+        fig.tight_layout()
+        path = img_dir / f"bench_hf_{name}.png"
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        paths.append(path)
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), squeeze=False)
+    for ax, (x_of, keep, xlabel, ideal, what) in zip(axes[0], [
+        (lambda k: k[1], lambda k: k[2] == size, "ranks", lambda k: rows[k]["model_bytes"] / k[1], f"save, {size:g} GB"),
+        (lambda k: rows[k]["model_bytes"] / GB, lambda k: k[1] == world, "model size (GB)",
+         lambda k: rows[k]["model_bytes"] / k[1], f"save, {world} ranks"),
+    ]):
+        _lines(ax, rows, x_of, keep, "save_sent_rN", MB)
+        pts = sorted({(x_of(k), ideal(k) / MB) for k in rows if keep(k) and rows[k]["status"] == "ok"})
+        if pts:
+            ax.plot(*zip(*pts), color="black", linestyle=":", marker="x", label="ideal: model / ranks")
+        ax.set_title(f"bytes sent per rank > 0 (max), {what}")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("MB")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    ax = axes[0][2]
+    _lines(ax, rows, lambda k: k[1], lambda k: k[2] == size, "load_sent_rN", 1e3)
+    ax.axhline(0, color="black", linestyle=":", label="ideal: 0 (shard on read)")
+    ax.set_title(f"bytes sent per rank > 0 (max), load, {size:g} GB")
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("kB (metadata only)")
+    ax.set_xlim(left=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = img_dir / "bench_hf_bytes.png"
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    paths.append(path)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------
+def _shown(path: str) -> str:
+    p = Path(path).resolve()
+    return str(p.relative_to(REPO)) if p.is_relative_to(REPO) else path
+
+
+def section(results: dict[str, Any], *, source: str, notes: str, pngs: list[Path]) -> str:
+    """The docs section (markers included) of a result file."""
+    meta = results["meta"]
+    rows = aggregate(results)
+    lines = [HF_BEGIN, "## transformers' distributed path, and scaling\n",
+             "_Generated by `python -m benchmarks hf --write-docs` from the run below; only the notes are written by "
+             "hand (benchmarks/NOTES_hf.md)._\n",
+             "fsdptk's Hugging Face load and save beside transformers' own distributed path, on the same "
+             "checkpoint and mesh, fresh processes for each method (gloo over loopback, one torch thread per rank):\n",
+             "- *transformers*: `AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig("
+             "fsdp_size=D, tp_size=T))`, then `model.save_pretrained(dir)`;",
+             "- *fsdptk*: `fsdptk.hf.from_pretrained(path, dims=ParallelDims(dp_shard=D, tp=T))`, then "
+             "`fsdptk.save_safetensors(model, dir)`.\n",
+             "Meshes: *fsdp* (D = ranks, T = 1) and *fsdp-tp2* (D = ranks / 2, T = 2). The model: a transformers "
+             "Llama (`LlamaConfig`, untied embeddings; from 0.16 GB up width 1024, 16 heads / 4 KV heads, MLP 2752, vocab "
+             "16384, the number of layers set by the size) written once per size with `save_pretrained` (one safetensors file, "
+             "in the page cache when the runs read it). Every rank: imports and `init_process_group` (reported, not "
+             "part of the load), then between barriers, each phase timed on every rank from the call to its return "
+             "(the max over ranks is shown):\n",
+             "1. **load**: the call above, setup included (config, meta model, mesh, TP, FSDP, reading the weights);",
+             f"2. **first forward**: `model(input_ids=batch)` under `no_grad`, batch {meta['batch'][0]} x "
+             f"{meta['batch'][1]} tokens, the same on every rank (transformers' loaded shards are views of the file "
+             "mapping, read in the first forward: compare *load + first forward*);",
+             "3. **train step**: forward with labels, backward, `torch.optim.SGD(lr=0).step()` (it writes every "
+             "parameter, as any step does, and leaves the values), `zero_grad`;",
+             "4. **save**.\n",
+             "Memory from `/proc/self/status` after each phase: `RssAnon` (anonymous: what the process owns), "
+             "`RssFile` (pages of mapped files: the page cache, reclaimable), `VmRSS`, and the peak `VmHWM` over the "
+             "phase (reset through `/proc/self/clear_refs` at its start; it counts file pages too). Bytes sent: "
+             "`wchar` of `/proc/self/io` over the phase minus the bytes of the files the rank wrote (gloo sends with "
+             "`writev`). **Checked in the run**: the two methods' logits after the load agree (`torch.allclose`, "
+             "rtol 1e-4, atol 1e-5) and the two saved directories hold bit-identical tensors (the checkpoint's); "
+             "a mismatch marks the pair **VOID**.\n",
+             "```\n" + meta["command"] + "\n```\n",
+             f"Results: `{_shown(source)}`. Re-render this section from them: `python -m benchmarks hf --from-json "
+             f"{_shown(source)} --write-docs`.\n",
+             f"- {meta['date']}, commit {meta.get('commit')}; {meta['cpus']} CPUs, {meta['mem_total_GB']:.0f} GB RAM, "
+             f"{meta['platform']}; {meta['seconds'] / 60:.1f} min; load average (1/5/15 min) before "
+             f"{' / '.join(f'{x:.1f}' for x in meta['loadavg_before'])}, at the end "
+             f"{' / '.join(f'{x:.1f}' for x in meta['loadavg_end'])}; sizes {meta['sizes']} GB, ranks "
+             f"{meta['worlds']}, meshes {meta['meshes']}, {meta['repeats']} repeat(s); glibc "
+             + (f"`MALLOC_MMAP_THRESHOLD_={meta['malloc_mmap_threshold']}` in every rank; "
+                if meta.get("malloc_mmap_threshold", 0) > 0 else "default malloc; ")
+             + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v) + "\n"]
+    if notes.strip():
+        lines += ["### Notes\n", notes.strip() + "\n"]
+    lines += ["### Results\n", render(results)]
+    behind = not_ahead(rows)
+    lines += ["### Where fsdptk is not ahead of transformers (from the table above)\n",
+              ("\n".join(behind) if behind else "- nowhere in this run") + "\n"]
+    if pngs:
+        lines += ["### Plots\n", "Solid lines: FSDP; dashed: FSDP x TP. Blue: fsdptk; red: transformers.\n"]
+        lines += [f"![{p.stem}](img/{p.name})\n" for p in pngs]
+    problems = [f"- {k[3]}, {k[0]}, {k[1]} ranks, {k[2]:g} GB: **{r['status']}**: {r['error']}"
+                for k, r in sorted(rows.items(), key=lambda kv: _sort_key(kv[0])) if r["status"] != "ok"]
+    if problems:
+        lines += ["### Runs skipped, failed or not applicable\n", "\n".join(problems) + "\n"]
+    lines.append(HF_END)
+    return "\n".join(lines) + "\n"
+
+
+def hf_section(page_text: str) -> str:
+    """The hf section of a results page ("" when it has none): kept when the main page is rewritten."""
+    start, end = page_text.find(HF_BEGIN), page_text.find(HF_END)
+    return page_text[start:end + len(HF_END)] + "\n" if 0 <= start < end else ""
+
+
+def write_docs(results: dict[str, Any], page: Path, *, source: str, notes: str, plot_world: int,
+               plot_size: float) -> list[Path]:
+    """Replace (or insert, before the GPU section) the hf section of ``page``; write its plots."""
+    from .report import GPU_BEGIN
+
+    pngs = plot(results, page.parent / "img", world=plot_world, size=plot_size)
+    block = section(results, source=source, notes=notes, pngs=pngs)
+    text = page.read_text() if page.is_file() else ""
+    start, end = text.find(HF_BEGIN), text.find(HF_END)
+    if 0 <= start < end:
+        text = text[:start] + block + text[end + len(HF_END):].lstrip("\n")
+    elif GPU_BEGIN in text:
+        at = text.find(GPU_BEGIN)
+        text = text[:at] + block + "\n" + text[at:]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    page.write_text(text)
+    return [page, *pngs]

@@ -1,0 +1,187 @@
+"""One rank of one ``python -m benchmarks hf`` run: load, first forward, a training step, save.
+
+Run as ``python -m benchmarks.hf_worker SPEC.json`` by :func:`benchmarks.runner.launch_workers`
+(``RANK`` / ``WORLD_SIZE`` / ``MASTER_PORT`` in the environment; every run is fresh processes).
+The spec names the method (``transformers`` or ``fsdptk``), the mesh (``dp_shard`` x ``tp``), the
+checkpoint directory, the batch and the output directory. Phases, each timed on this rank from the
+call to its return (max over ranks is taken by the driver), with a barrier between phases:
+
+1. imports (torch, transformers, fsdptk's or transformers' distributed modules) and
+   ``init_process_group`` (gloo): reported, not part of the load;
+2. load: ``AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(
+   fsdp_size, tp_size))`` or ``fsdptk.hf.from_pretrained(path, dims=ParallelDims(dp_shard, tp))``;
+3. first forward (``no_grad``) on a fixed batch: rank 0 writes the logits for the driver's check;
+4. one training step: forward with labels, backward, ``SGD(lr=0).step()`` (it writes every
+   parameter, as any step does, and leaves the values, so the saved tensors can be compared bit
+   for bit), ``zero_grad(set_to_none=True)``;
+5. save: ``model.save_pretrained(dir)`` or ``fsdptk.save_safetensors(model, dir)``.
+
+After each phase: RSS, ``RssAnon``, ``RssFile`` and ``VmHWM`` (reset through
+``/proc/self/clear_refs`` at the start of the phase) from ``/proc/self/status``; after the step
+also ``RssAnon`` once glibc's ``malloc_trim(0)`` gave freed heap back (the live memory); over the
+load and the save, bytes sent (``wchar``, minus the bytes of the files this rank wrote).
+"""
+
+from __future__ import annotations
+
+import time
+
+_T_START = time.perf_counter()
+
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+__all__ = ["main", "status_bytes"]
+
+_FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
+
+
+def status_bytes() -> dict[str, int]:
+    """``VmRSS``, ``RssAnon``, ``RssFile`` and ``VmHWM`` of this process (bytes)."""
+    with open("/proc/self/status") as f:
+        text = f.read()
+    out = {}
+    for name in _FIELDS:
+        m = re.search(rf"^{name}:\s+(\d+) kB", text, re.M)
+        out[name] = int(m.group(1)) * 1024 if m else -1
+    return out
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := current RSS (Linux >= 4.0)
+
+
+def _trim_heap() -> None:
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _wchar() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    return -1
+
+
+def _files_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) if directory.is_dir() else 0
+
+
+def _phase(fn, dist, *, sent: bool = False) -> tuple[Any, dict[str, Any]]:
+    """Run ``fn`` between barriers; this rank's time, memory after, peak over, bytes written."""
+    import gc
+
+    gc.collect()
+    dist.barrier()
+    _reset_peak()
+    rss0 = status_bytes()["VmRSS"]
+    w0 = _wchar()
+    t0 = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - t0
+    w1 = _wchar()
+    mem = status_bytes()
+    rec: dict[str, Any] = {"s": seconds, "rss": mem["VmRSS"], "anon": mem["RssAnon"], "file": mem["RssFile"],
+                           "peak": mem["VmHWM"], "rss0": rss0}
+    if sent:
+        rec["written"] = w1 - w0
+    dist.barrier()
+    return result, rec
+
+
+def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    import transformers
+
+    method, dp_shard, tp = spec["method"], spec["dp_shard"], spec["tp"]
+    if method == "transformers":
+        from transformers.distributed import DistributedConfig
+
+        def load():
+            config = DistributedConfig(fsdp_size=dp_shard, tp_size=tp)
+            return transformers.AutoModelForCausalLM.from_pretrained(spec["ckpt_dir"], distributed_config=config)
+
+        def save(model, out):
+            model.save_pretrained(out)
+    else:
+        import fsdptk
+        from fsdptk.hf import from_pretrained
+
+        def load():
+            return from_pretrained(spec["ckpt_dir"], dims=fsdptk.ParallelDims(dp_shard=dp_shard, tp=tp))
+
+        def save(model, out):
+            fsdptk.save_safetensors(model, out)
+    rec: dict[str, Any] = {"rank": rank, "import_s": time.perf_counter() - _T_START, "before": status_bytes()}
+    t0 = time.perf_counter()
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rec["init_s"] = time.perf_counter() - t0
+
+    model, rec["load"] = _phase(load, dist, sent=True)
+    batch = torch.randint(3, model.config.vocab_size, tuple(spec["batch"]),
+                          generator=torch.Generator().manual_seed(7))
+
+    def forward():
+        with torch.no_grad():
+            out = model(input_ids=batch).logits
+        return out.full_tensor() if hasattr(out, "full_tensor") else out
+
+    logits, rec["forward"] = _phase(forward, dist)
+    out_dir = Path(spec["out_dir"])
+    if rank == 0:
+        torch.save(logits, out_dir / "logits.pt")
+    del logits
+    rec["load_forward_s"] = rec["load"]["s"] + rec["forward"]["s"]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+
+    def step():
+        model.train()
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    rec["loss"], rec["step"] = _phase(step, dist)
+    _trim_heap()  # what the step left live, without the freed heap glibc keeps (reported beside)
+    rec["step"]["anon_trimmed"] = status_bytes()["RssAnon"]
+    save_dir = Path(spec["save_dir"])
+    _, rec["save"] = _phase(lambda: save(model, save_dir), dist, sent=True)
+    rec["save"]["files"] = _files_bytes(save_dir) if rank == 0 else 0
+    rec["save"]["sent"] = rec["save"]["written"] - rec["save"]["files"]
+    rec["load"]["sent"] = rec["load"]["written"]
+    return rec
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out = Path(spec["out_dir"]) / f"rank{rank}.json"
+    try:
+        rec = _run(spec, rank, world)
+    except Exception as e:  # noqa: BLE001 - reported to the driver, which marks the run failed
+        traceback.print_exc()
+        out.write_text(json.dumps({"rank": rank, "error": f"{type(e).__name__}: {e}"[:2000]}))
+        sys.stdout.flush()
+        os._exit(1)
+    out.write_text(json.dumps(rec))
+    sys.stdout.flush()
+    os._exit(0)  # no destroy_process_group: gloo's teardown can abort at exit (benchmarks/worker.py)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:][0]))
