@@ -132,7 +132,11 @@ def load_safetensors(
         device: where the shards go (default: the model's device, or the current accelerator / CPU
             for a meta model).
         shard_on_read: ``True``: every rank opens the files and reads only its own slices (no
-            collective for tensor data); ``False``: rank 0 reads and scatters each rank its bytes;
+            collective for tensor data; a shard that is a contiguous range of its file in the
+            model's dtype stays a copy-on-write view of the privately mapped file, read when
+            first used, as transformers keeps its weights: docs/checkpoint.md names what a later
+            in-place rewrite of the file does); ``False``: rank 0 reads and scatters each rank
+            its bytes into fresh memory;
             ``None`` (default): ``True`` when every rank can open the files (their headers are
             checked on every rank), else rank-0-read; agreed across ranks.
         rename: checkpoint name -> model name: a callable (returning ``None`` skips the key) or a

@@ -454,3 +454,58 @@ def test_nf4_is_saved_dequantised(world, tmp_path: Path) -> None:
     ref = world(2).run(_save_nf4, str(tmp_path))[0]
     out = load_file(tmp_path / "model.safetensors")
     assert out["0.weight"].dtype == torch.bfloat16 and torch.equal(out["0.weight"], ref)
+
+
+def _mapped_privately(t: torch.Tensor, file: Path) -> bool:
+    """Whether ``t``'s memory lies in a private (copy-on-write) mapping of ``file``."""
+    ptr = t.data_ptr()
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= ptr < hi:
+                return fields[1].endswith("p") and len(fields) > 5 and fields[5] == str(file)
+    return False
+
+
+def _load_then_overwrite(src: str, dtype: str) -> dict:
+    """Load shard-on-read; a save into the same directory and a write into the model afterwards
+    change neither the loaded model nor the file it was read from."""
+    from torch.distributed.tensor import DTensor
+
+    torch.manual_seed(1)
+    dt = getattr(torch, dtype)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 32, dtype=dt), nn.Linear(32, 8, dtype=dt))
+    _shard(model, (dist.get_world_size(),))
+    load_safetensors(model, src, shard_on_read=True)
+    local = model[0].weight.to_local() if isinstance(model[0].weight, DTensor) else model[0].weight
+    viewed = _mapped_privately(local, Path(src).resolve() / "model.safetensors")
+    before = {k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in model.state_dict().items()}
+    with torch.device("meta"):
+        other = nn.Sequential(nn.Linear(64, 32, dtype=dt), nn.Linear(32, 8, dtype=dt))
+    other.to_empty(device="cpu")
+    for p in other.parameters():
+        nn.init.constant_(p, 7.0)
+    _shard(other, (dist.get_world_size(),))
+    save_safetensors(other, src)  # a new file renamed over the one the model was read from
+    after = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in model.state_dict().items()}
+    intact = all(torch.equal(before[k], after[k]) for k in before)
+    with torch.no_grad():  # a write makes the pages private: the (new) file never sees it
+        for p in model.parameters():
+            p.to_local().add_(1) if isinstance(p, DTensor) else p.add_(1)
+    dist.barrier()
+    return {"viewed": viewed, "intact": intact,
+            "file": {k: float(v.float().sum()) for k, v in load_file(Path(src) / "model.safetensors").items()}}
+
+
+@pytest.mark.parametrize("dtype, viewed", [("float32", True), ("bfloat16", False)])
+def test_shard_on_read_keeps_copy_on_write_views_of_the_file(world, tmp_path: Path, dtype, viewed) -> None:
+    torch.manual_seed(0)
+    src = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
+    save_safetensors(src, tmp_path)  # float32 in the file; a bfloat16 model is a cast (a copy)
+    for r in world(2).run(_load_then_overwrite, str(tmp_path), dtype):
+        assert r["viewed"] is viewed
+        assert r["intact"]
+        assert r["file"] == {"0.weight": 7.0 * 64 * 32, "0.bias": 7.0 * 32, "1.weight": 7.0 * 32 * 8,
+                             "1.bias": 7.0 * 8}

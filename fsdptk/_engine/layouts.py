@@ -63,6 +63,34 @@ def extract(full: Any, box: Box) -> Any:
     return piece
 
 
+class Reads:
+    """How one load turns what it reads into local tensors: a copy, or the read itself.
+
+    A source whose ``private_reads`` is true (see :mod:`fsdptk._engine.sources`) returns tensors
+    that belong to this process alone: fresh memory, or copy-on-write views of a private file
+    mapping (a safetensors file). A read that is already a local tensor (contiguous, of the
+    output's dtype, on its device: a dim-0 shard of a file tensor of the same dtype) is then kept
+    as it is, so the load copies nothing and its pages are read only when first used, and made
+    private only when first written (as transformers' ``from_pretrained`` keeps them). Each kept
+    read must be distinct memory: a second read of the same bytes in one load is copied, so two
+    targets never share storage. Any other read (the caller's own tensors, a cast, a strided
+    piece) is copied into fresh memory.
+    """
+
+    def __init__(self, source: Any) -> None:
+        self.private = bool(getattr(source, "private_reads", False))
+        self._kept: set[int] = set()
+
+    def local(self, raw: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``raw`` as this rank's local tensor: ``raw`` itself where it may be kept, else a copy."""
+        if (self.private and raw.dtype == dtype and raw.device == device and raw.is_contiguous()
+                and raw.data_ptr() not in self._kept):
+            if raw.numel():
+                self._kept.add(raw.data_ptr())
+            return raw.detach()
+        return torch.empty(raw.shape, dtype=dtype, device=device).copy_(raw)
+
+
 def place(full: torch.Tensor, box: Box, piece: torch.Tensor) -> None:
     """Write ``piece`` into ``full`` at ``box`` (the inverse of :func:`extract`)."""
     dims = [d for d, b in enumerate(box) if not isinstance(b, slice)]
@@ -179,12 +207,12 @@ class Layout:
         return [(box_shape(local), dtype)]
 
     def read_local(self, source: Any, key: str, dtype: torch.dtype, device: torch.device,
-                   release: bool) -> torch.Tensor:
-        """This rank's local tensor read from its own ``source``."""
+                   release: bool, reads: Reads) -> torch.Tensor:
+        """This rank's local tensor read from its own ``source`` (see :class:`Reads`)."""
         full = source.read(key)
         if release and full.dtype == dtype and full.device == device and full.is_contiguous():
             return full.detach()  # the caller gave the entry up: no copy
-        return torch.empty(full.shape, dtype=dtype, device=device).copy_(full)
+        return reads.local(full, dtype, device)
 
     def cut(self, full: torch.Tensor, locals_: Sequence[Any], dtype: torch.dtype,
             comm: torch.device) -> list[list[torch.Tensor]]:
@@ -228,9 +256,8 @@ class DTensorLayout(Layout):
         self.local = dtensor_box(self.target)
 
     def read_local(self, source: Any, key: str, dtype: torch.dtype, device: torch.device,
-                   release: bool) -> torch.Tensor:
-        raw = source.read(key, self.local)
-        return torch.empty(raw.shape, dtype=dtype, device=device).copy_(raw)
+                   release: bool, reads: Reads) -> torch.Tensor:
+        return reads.local(source.read(key, self.local), dtype, device)
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         return dtensor_like(self.target, local)
@@ -258,7 +285,7 @@ class NF4Layout(Layout):
         return parts
 
     def read_local(self, source: Any, key: str, dtype: torch.dtype, device: torch.device,
-                   release: bool) -> torch.Tensor:
+                   release: bool, reads: Reads) -> torch.Tensor:
         q = _nf4.quantize_like(source.read(key).to(device), self.like)
         return _nf4.chunk(q, self.local)
 

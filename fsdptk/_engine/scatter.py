@@ -17,7 +17,7 @@ import torch
 from fsdptk._core.dist import comm_device, comm_errors
 from fsdptk._core.dist import world as _world
 from fsdptk._engine.agree import LoadPlan, Status, guarded, hand_over
-from fsdptk._engine.layouts import box_shape, is_dim0_run
+from fsdptk._engine.layouts import Reads, box_shape, is_dim0_run
 from fsdptk._engine.sources import Source, as_source
 from fsdptk._engine.wire import (
     DEFAULT_BUCKET_BYTES,
@@ -112,12 +112,13 @@ def _distribute_local(plan: LoadPlan, source: Source, device: torch.device, rele
     """Each rank reads its own pieces; no tensor moves, only the status is agreed per bucket."""
     entries = plan.entries
     sizes = [nbytes(lay.shape, plan.out_dtype(f, lay)) for f, lay in entries]
+    reads = Reads(source)
     for bucket in buckets(sizes, bucket_bytes * LOCAL_AGREE_BUCKETS):
         out = []
         for i in bucket if status.error is None else ():
             fqn, lay = entries[i]
             try:
-                local = lay.read_local(source, fqn, plan.out_dtype(fqn, lay), device, release)
+                local = lay.read_local(source, fqn, plan.out_dtype(fqn, lay), device, release, reads)
                 if lay.replicated:
                     status.replica(fqn, lay.replica_tensors(local))
                 if release:

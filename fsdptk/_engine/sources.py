@@ -11,6 +11,11 @@ A source answers three questions, and the engine asks nothing else (it knows no 
 ``TensorMeta.held_on`` adds one fact the engine uses to size buckets: whether the source already
 holds the whole tensor in memory (reading it allocates nothing), see :func:`holds_value`.
 
+An optional attribute ``private_reads`` (default false) says that what ``read`` returns belongs to
+this process alone and may be kept and written: fresh memory, or copy-on-write views of a private
+file mapping (a safetensors file), never the caller's own tensors. The engine then keeps a read that
+is already a local tensor instead of copying it (:class:`~fsdptk._engine.layouts.Reads`).
+
 :class:`MappingSource` adapts a Mapping of full tensors (a dict, a lazy Mapping). A Mapping whose
 values are read through safetensors-style slice objects (``get_slice(key)``) is adapted by
 :class:`SliceSource` (shard-on-read: only the region of a box is read).
@@ -220,6 +225,11 @@ class SliceSource(MappingSource):
 
     mapping: Any  # a Mapping with get_slice(key)
 
+    @property
+    def private_reads(self) -> bool:
+        """The mapping's own ``private_reads`` (see the module docstring)."""
+        return bool(getattr(self.mapping, "private_reads", False))
+
     def meta(self, key: str) -> TensorMeta:
         """Shape and dtype of ``key`` from its slice's header (no data read)."""
         sl = self.mapping.get_slice(key)
@@ -278,6 +288,11 @@ class RenamedSource(Mapping[str, Any]):
         self._inner = as_source(mapping)
         self._released = released or {}
         self._release, self._on_read = release, on_read
+
+    @property
+    def private_reads(self) -> bool:
+        """The inner source's ``private_reads`` (see the module docstring)."""
+        return bool(getattr(self._inner, "private_reads", False))
 
     def __getitem__(self, key: str) -> Any:
         out = self.mapping[self.names[key]]

@@ -190,6 +190,11 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
         (['w'], torch.Size([2, 3]), [[1.0, 1.0]])
     """
 
+    # What ``safe_open(framework="pt")`` returns (a tensor, or a slice read along dim 0) is a view
+    # of the file mapped copy-on-write (``MAP_PRIVATE``), never a mapping shared with the file: the
+    # engine keeps such reads as local shards (``private_reads``, see docs/checkpoint.md).
+    private_reads = True
+
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         index, files = resolve_files(self.path)

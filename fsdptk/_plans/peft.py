@@ -272,6 +272,11 @@ class BaseView(Mapping[str, Any]):
         """Whether reading ``key`` allocates nothing (see :func:`holds_value`)."""
         return holds_value(self._src, self._resolve(key))
 
+    @property
+    def private_reads(self) -> bool:
+        """The inner source's ``private_reads`` (the engine's source protocol)."""
+        return bool(getattr(self._inner, "private_reads", False))
+
     def meta(self, key: str) -> Any:
         return self._inner.meta(self._resolve(key))
 
