@@ -198,4 +198,5 @@ def roll_call(group: Any, size: int, rank: int) -> str:
     if more:
         listed = f"{', '.join(named)} and {more} more ranks, the last rank {missing[-1]}"
     return (f"Lost: {listed} did not answer a roll call through the process group's store within "
-            f"{ROLL_CALL_S:g} s (killed, out of memory, or their host is down); their logs have the cause.")
+            f"{ROLL_CALL_S:g} s (killed, out of memory, their host down, or no longer in this operation); "
+            "their logs have the cause.")
