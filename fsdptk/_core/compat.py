@@ -27,6 +27,7 @@ __all__ = [
     "checkpoint_wrapper_api",
     "clear_dtensor_caches",
     "dcp_set_element",
+    "default_store",
 ]
 
 # what nn.Module.load_state_dict returns: (missing_keys, unexpected_keys); the loads return it too
@@ -98,3 +99,14 @@ def clear_dtensor_caches() -> None:
         getattr(_redistribute._gen_transform_infos, "cache_clear", lambda: None)()
     except (ImportError, AttributeError):  # older torch: no such caches to clear
         pass
+
+
+def default_store() -> Any:
+    """The key-value store of the default process group (its rendezvous store, under torchrun the
+    agent's on the first host), or ``None`` when there is no process group."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    try:
+        return _get_default_store()
+    except (RuntimeError, ValueError):  # no default process group
+        return None

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdptk._core.peers import Waiter, roll_call
+
 # The group fsdptk's collectives use in this thread (a context variable: per thread, no global
 # state shared between threads); None is the default group.
 _GROUP: ContextVar[Any] = ContextVar("fsdptk_comm_group", default=None)
@@ -110,24 +112,41 @@ def comm_errors(what: str) -> Iterator[None]:
     """Turn a failure of ``torch.distributed`` itself into an error that says what it means.
 
     A collective or point-to-point call fails when a peer is gone (killed, out of memory, its
-    connection closed); the backend's own message (gloo: ``Connection closed by peer``) names no
-    operation. Internal helper; not exported from ``fsdptk``.
+    connection closed); the backend's own message (gloo: ``Connection closed by peer
+    [10.0.0.2]:2243``) names no operation and no rank. This rank first reports the failure through
+    the process group's store and takes a roll call there (:func:`fsdptk._core.peers.roll_call`, at
+    most 2 s), so the message names the ranks that did not answer, and a rank still waiting for a
+    transfer to a lost peer stops waiting. Internal helper; not exported from ``fsdptk``.
 
     Args:
         what: the operation, for the message (e.g. ``"load_from_full_model_state_dict"``).
 
     Raises:
-        RuntimeError: naming ``what``, this rank and the backend's message (chained).
+        RuntimeError: naming ``what``, this rank, the backend's message (chained) and the lost ranks.
     """
     try:
         yield
     except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
-        _, rank = world()
-        raise RuntimeError(
+        if getattr(e, "fsdptk_comm_failure", False):  # an inner comm_errors already said it all
+            raise
+        size, rank = world()
+        lost = roll_call(comm_group(), size, rank) if size > 1 else ""
+        err = RuntimeError(
             f"fsdptk {what}: communication with the other ranks failed on rank {rank} "
-            f"({type(e).__name__}: {str(e).strip()[:400]}). Another rank most likely died (killed, "
-            "out of memory) or stopped taking part in this operation; its log has the cause."
-        ) from e
+            f"({type(e).__name__}: {str(e).strip()[:400]}). "
+            + (lost or "Another rank most likely died (killed, out of memory) or stopped taking part "
+               "in this operation; its log has the cause."))
+        err.fsdptk_comm_failure = True  # type: ignore[attr-defined]
+        raise err from e
+
+
+def waiter() -> Waiter:
+    """A :class:`~fsdptk._core.peers.Waiter` for one engine call on :func:`comm_group`: with gloo it
+    waits for transfers in a helper thread and stops, within a fraction of a second, once another
+    rank reported a communication failure, instead of waiting for a transfer to a lost peer until
+    the process group's timeout. Run its waits inside :func:`comm_errors`. Internal helper."""
+    size, rank = world()
+    return Waiter(comm_group(), size, rank)
 
 
 def all_gather_object(obj: Any) -> list[Any]:

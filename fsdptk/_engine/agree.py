@@ -27,7 +27,15 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fsdptk._core.dist import all_gather_object, comm_device, comm_errors, comm_group, error_payload, raise_lowest
+from fsdptk._core.dist import (
+    all_gather_object,
+    comm_device,
+    comm_errors,
+    comm_group,
+    error_payload,
+    raise_lowest,
+    waiter,
+)
 from fsdptk._core.dist import raise_problems as _raise
 from fsdptk._core.dist import world as _world
 from fsdptk._engine.layouts import Layout, PlainLayout, layout_of
@@ -358,7 +366,10 @@ class Status:
 
     ``error`` is this rank's first failure (its own, or the caller's thrown in with
     ``generator.throw``); ``sums`` the checksums of the replicated (non-DTensor) tensors this rank
-    read since the last agreement, kept only when every rank reads its own source.
+    read since the last agreement, kept only when every rank reads its own source. ``waiter``
+    waits for every transfer and agreement of the call (with gloo in a helper thread, so that a
+    peer lost mid-transfer raises within seconds instead of at the process group's timeout; see
+    :mod:`fsdptk._core.peers`); :func:`guarded` closes it.
     """
 
     def __init__(self, what: str, check_replicas: bool = False) -> None:
@@ -366,6 +377,7 @@ class Status:
         self.error: BaseException | None = None
         self.check_replicas = check_replicas
         self.sums: list[tuple[str, int]] = []
+        self.waiter = waiter()  # every wait of the call: a lost peer cannot hang it (gloo)
 
     def fail(self, error: BaseException, context: str | None = None) -> None:
         """Record ``error`` (the first one only); ``context`` (e.g. the key) becomes a note."""
@@ -395,8 +407,8 @@ class Status:
         h = int(hashlib.sha1(repr(self.sums).encode()).hexdigest(), 16) & ((1 << _SUM_BITS) - 1)
         t = torch.tensor([world - rank if self.error is not None else 0, h, -h], dtype=torch.int64,
                          device=comm_device())
-        with comm_errors(self.what):
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm_group())
+        with comm_errors(self.what):  # waited like a transfer: a lost peer cannot hang it
+            self.waiter.wait([dist.all_reduce(t, op=dist.ReduceOp.MAX, group=comm_group(), async_op=True)])
         failed, high, low = (int(v) for v in t.tolist())
         if failed:
             raise_lowest(all_gather_object(error_payload(self.error)), self.error)
@@ -449,3 +461,5 @@ def guarded(body: Iterator[Any], status: Status) -> Iterator[Any]:
     except GeneratorExit:
         status.abandon()
         raise
+    finally:
+        status.waiter.close()

@@ -167,7 +167,7 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
                  for i, (_, t) in enumerate(items)]
     else:
         sizes = [nbytes(t.shape, t.dtype) for _, t in items]
-    flight = InFlight()  # the previous bucket's transfers
+    flight = InFlight(status.waiter)  # the previous bucket's transfers
     held: tuple[list[int], dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None  # rank 0
     try:
         for bucket in buckets(sizes, bucket_bytes):

@@ -189,7 +189,7 @@ def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, re
     direct = [[[is_direct(s, d, lay.quantized) for s, d in parts[r][i]] for i, (_, lay) in enumerate(entries)]
               for r in range(world)]
     extra = [_extra_bytes(plan, i, direct, world, comm, device) for i in range(len(entries))]
-    flight = InFlight()  # the previous bucket's transfers
+    flight = InFlight(status.waiter)  # the previous bucket's transfers
     held: tuple[list[int], list[torch.Tensor]] | None = None  # a receiver: the previous bucket
     try:
         for bucket in buckets(extra, bucket_bytes):
@@ -210,7 +210,7 @@ def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, re
                     flight.wait()  # bucket k-1 is out: its buffers are free
                     refused = flight.post_all(isend, [(r, t) for r, ts in msgs.items() for t in ts])
                 else:
-                    posted = InFlight()
+                    posted = InFlight(status.waiter)
                     refused = posted.post_all(irecv, [(0, t) for t in msgs.get(rank, [])])
                     flight.wait()  # bucket k-1 has arrived (bucket k's receives are already posted)
                     flight = posted

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fsdptk._core.dist import comm_group
+from fsdptk._core.peers import Waiter
 
 DEFAULT_BUCKET_BYTES = 16 * 1024 * 1024  # small enough that packing overlaps sending
 # without src_rank0 no tensor moves, so the status agreement is the only collective of the data
@@ -107,7 +108,8 @@ class InFlight:
     on this rank (see :meth:`post_all`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, waiter: Waiter) -> None:
+        self.waiter = waiter  # the call's (see :class:`~fsdptk._core.peers.Waiter`)
         self.works: list[dist.Work] = []
         self.tensors: list[torch.Tensor] = []
 
@@ -145,17 +147,21 @@ class InFlight:
             self.tensors.append(t)
         return refused
 
-    def wait(self) -> None:
-        """Wait for every posted transfer; then the tensors may be freed or read."""
+    def wait(self, *, look_first: bool = False) -> None:
+        """Wait for every posted transfer; then the tensors may be freed or read.
+
+        With gloo the wait stops as soon as another rank reported a communication failure
+        (:class:`~fsdptk._core.peers.Waiter`): a transfer to a lost peer is then left to the
+        process group's timeout, in a helper thread that keeps its tensors alive, and this raises.
+        """
         works, self.works = self.works, []
-        for w in works:
-            w.wait()
+        self.waiter.wait(works, look_first=look_first)
         self.tensors = []
 
     def drain_quietly(self) -> None:
         """Wait while another exception propagates (that one is the error to report)."""
         try:
-            self.wait()
+            self.wait(look_first=True)
         except Exception:  # noqa: BLE001 - the error already propagating is the one reported
             self.works, self.tensors = [], []
 
