@@ -53,3 +53,24 @@ def test_answers_keep_the_fresh_ones_only() -> None:
     raw = f"0@{now - FRESH_S - 5:.3f};1@{now:.3f};0@{now - 1:.3f};junk;2@;"
     assert _answers(raw.encode(), now - FRESH_S) == {1: round(now, 3), 0: round(now - 1, 3)}
     assert _answers(f"0@{now - 60:.3f};", now - FRESH_S) == {}
+
+
+
+def _waits_right_after_a_roll_call() -> tuple[str, list[int], list[int]]:
+    """Both ranks take a roll call (every rank answers: a failure the job then went on from); right
+    after, well within FRESH_S, what a wait of this process would count as reports, and what the
+    plain FRESH_S window would have counted."""
+    from fsdptk._core.peers import _reported, _since
+
+    group = dist.new_group(backend="gloo")
+    message = roll_call(group, 2, dist.get_rank())
+    dist.barrier()
+    now = time.time()
+    return message, _reported(group, _since(group, now)), _reported(group, now - FRESH_S)
+
+
+def test_a_roll_call_the_job_went_on_from_does_not_fail_later_waits(world) -> None:
+    for message, counted, in_window in world(2).run(_waits_right_after_a_roll_call, timeout=60):
+        assert message.startswith("Every rank answered a roll call"), message
+        assert in_window == [0, 1]  # the old answers are in the store, within FRESH_S
+        assert counted == []  # but a later wait of a rank that took that roll call ignores them

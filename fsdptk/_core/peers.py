@@ -21,7 +21,8 @@ waiting ranks), and a roll call reads the key 4 times.
 
 Freshness (no call id needed, so a failure between calls is covered too): an answer counts when its
 time is within :data:`FRESH_S` of the reader's own; answers left by an earlier failure of the same
-group (a job that went on after one) are older. Clocks of different hosts must agree within a few
+group (a job that went on after one) are older, and a rank that took a roll call ignores every
+answer older than its end (:func:`_since`), so its next waits do not take that failure for a new one. Clocks of different hosts must agree within a few
 seconds (NTP does).
 """
 
@@ -42,6 +43,9 @@ POLL_MAX_S = 1.0  # intervals up to this (a long wait reads the store once a sec
 ROLL_CALL_S = 2.0  # how long a failing rank waits for the others to answer
 ROLL_CALL_READS = (0.1, 0.5, 1.0)  # when it reads the answers early (every rank answered: done)
 FRESH_S = 10.0  # answers this much older than the reader's own belong to an earlier failure
+# per group key: when this rank's last roll call ended; every answer of that failure is older, so a
+# later wait or roll call of the same process (a job that went on after the error) ignores them
+_ROLL_CALL_ENDED: dict[str, float] = {}
 _NAMED = 8  # lost ranks named one by one; more are counted
 
 
@@ -136,7 +140,7 @@ class Waiter:
         timeout = 0.0 if look_first else POLL_S
         while not job.done.wait(timeout):
             timeout = min(max(2 * timeout, POLL_S), POLL_MAX_S)
-            reporters = _reported(self.group, started - FRESH_S)
+            reporters = _reported(self.group, _since(self.group, started))
             if reporters:
                 self.close()  # the thread ends once gloo gives up on this job; a later wait starts another
                 who = "the store's host is unreachable" if reporters == [-1] else f"rank {reporters[0]} reported a communication failure"
@@ -163,6 +167,12 @@ def _reported(group: Any, since: float) -> list[int]:
         return [-1]
 
 
+def _since(group: Any, now: float) -> float:
+    """The time from which answers in ``group``'s key count: at most :data:`FRESH_S` before
+    ``now``, and never before this rank's own last roll call in that group ended."""
+    return max(now - FRESH_S, _ROLL_CALL_ENDED.get(_key(group), 0.0))
+
+
 def roll_call(group: Any, size: int, rank: int) -> str:
     """Report this rank's communication failure and name the ranks that do not answer.
 
@@ -173,6 +183,13 @@ def roll_call(group: Any, size: int, rank: int) -> str:
         A sentence for the error message: the lost ranks (``"Lost: rank 2 and rank 3 did not
         answer ..."``), that every rank answered, or why no roll call could be taken.
     """
+    try:
+        return _take_roll_call(group, size, rank)
+    finally:
+        _ROLL_CALL_ENDED[_key(group)] = time.time()
+
+
+def _take_roll_call(group: Any, size: int, rank: int) -> str:
     store, key = default_store(), _key(group)
     if store is None:
         return ""
@@ -182,7 +199,7 @@ def roll_call(group: Any, size: int, rank: int) -> str:
         begun = time.monotonic()
         for at in (*ROLL_CALL_READS, ROLL_CALL_S):  # a few reads: a store serves every survivor
             time.sleep(max(0.0, begun + at - time.monotonic()))
-            missing = sorted(set(range(size)) - set(_answers(store.get(key), mine - FRESH_S)))
+            missing = sorted(set(range(size)) - set(_answers(store.get(key), _since(group, mine))))
             if not missing:
                 break
     except Exception as e:  # noqa: BLE001 - the message says why
