@@ -12,7 +12,7 @@ Meshes: ``fsdp`` (FSDP over every rank) and ``fsdp-tp2`` (FSDP x TP, ``tp=2``, w
 model is a transformers ``LlamaConfig`` (untied, GQA) whose fp32 parameters take each ``--sizes``
 GB, written once per size with ``save_pretrained`` into the work directory (nothing downloaded).
 Per run: the load, the first forward (``no_grad``, a fixed batch), load + first forward, one
-training step (forward, backward, ``SGD(lr=0)``), the save; rank 0's and the other ranks' memory
+training step (forward, backward, ``AdamW(lr=0)``), the save; rank 0's and the other ranks' memory
 after each phase (RSS, ``RssAnon``, ``RssFile``, peak over the phase); bytes sent over the load
 and the save beside the ideal. Checked in the run: the two methods' logits agree
 (``allclose``) and the two saved directories hold bit-identical tensors (the source
@@ -182,7 +182,8 @@ def _run_one(method: str, mesh: str, world: int, dims: tuple[int, int], size: fl
     out = runs / f"{mesh}-w{world}-{size:g}GB-r{rep}-{method}"
     shutil.rmtree(out, ignore_errors=True)
     spec = {"method": method, "dp_shard": dims[0], "tp": dims[1], "ckpt_dir": str(ckpt),
-            "batch": list(args.batch), "save_dir": str(out / "saved")}
+            "batch": list(args.batch), "optimizer": args.optimizer,
+            "optimizer_after": args.optimizer_after, "save_dir": str(out / "saved")}
     res = launch_workers(spec, world, sys.executable, out, args.timeout, module="benchmarks.hf_worker")
     return dict(rec, status=res.status, error=res.error, ranks=res.ranks, wall_s=res.wall_s, log_dir=str(out))
 
@@ -266,7 +267,7 @@ def _environment(args: argparse.Namespace, seconds: float, load_before: tuple[fl
             "platform": platform.platform(), "versions": _versions(), "seconds": seconds,
             "loadavg_before": list(load_before), "loadavg_end": list(os.getloadavg()),
             "sizes": args.sizes, "worlds": args.worlds, "meshes": args.meshes, "repeats": args.repeats,
-            "batch": list(args.batch), "quick": args.quick, "malloc_mmap_threshold": args.malloc_mmap_threshold}
+            "batch": list(args.batch), "optimizer": args.optimizer, "optimizer_after": args.optimizer_after, "quick": args.quick, "malloc_mmap_threshold": args.malloc_mmap_threshold}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -282,6 +283,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="runs of each (size, world, mesh, method)")
     p.add_argument("--batch", type=int, nargs=2, default=[2, 16], metavar=("ROWS", "TOKENS"),
                    help="the fixed batch of the first forward and the training step (same on every rank)")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
+                   help="the training step's optimizer, lr 0 (values kept for the saved-tensor check): AdamW "
+                        "allocates its two moments, as a real first step does")
+    p.add_argument("--optimizer-after", default="load", choices=["load", "forward"],
+                   help="build the optimizer right after the load (default) or after the first (no_grad) forward; "
+                        "transformers' tail unit (final norm, lm_head; reshard_after_forward=False) stays gathered "
+                        "after a forward without backward, so an optimizer built then holds tensors that get no "
+                        "gradient (reported per run as parameters without optimizer state)")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "fsdptk-bench-hf"),
                    help="checkpoints and per-run logs (deleted at the end unless --keep)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoints and logs in the work directory")

@@ -324,8 +324,10 @@ def section(results: dict[str, Any], *, source: str, notes: str, pngs: list[Path
              f"2. **first forward**: `model(input_ids=batch)` under `no_grad`, batch {meta['batch'][0]} x "
              f"{meta['batch'][1]} tokens, the same on every rank (transformers' loaded shards are views of the file "
              "mapping, read in the first forward: compare *load + first forward*);",
-             "3. **train step**: forward with labels, backward, `torch.optim.SGD(lr=0).step()` (it writes every "
-             "parameter, as any step does, and leaves the values), `zero_grad`;",
+             "3. **train step**: forward with labels, backward, "
+             + ("`torch.optim.SGD(lr=0).step()`" if meta.get("optimizer") == "sgd" else
+                "`torch.optim.AdamW(lr=0).step()` (it allocates its two moments, as a real first step does)")
+             + " (it writes every parameter, as any step does, and leaves the values), `zero_grad`;",
              "4. **save**.\n",
              "Memory from `/proc/self/status` after each phase: `RssAnon` (anonymous: what the process owns), "
              "`RssFile` (pages of mapped files: the page cache, reclaimable), `VmRSS`, and the peak `VmHWM` over the "

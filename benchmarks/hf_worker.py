@@ -11,9 +11,11 @@ call to its return (max over ranks is taken by the driver), with a barrier betwe
 2. load: ``AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(
    fsdp_size, tp_size))`` or ``fsdptk.hf.from_pretrained(path, dims=ParallelDims(dp_shard, tp))``;
 3. first forward (``no_grad``) on a fixed batch: rank 0 writes the logits for the driver's check;
-4. one training step: forward with labels, backward, ``SGD(lr=0).step()`` (it writes every
-   parameter, as any step does, and leaves the values, so the saved tensors can be compared bit
-   for bit), ``zero_grad(set_to_none=True)``;
+4. one training step (the optimizer built right after the load, before the first forward, or
+   after it with the spec's ``optimizer_after: forward``): forward with labels, backward, ``AdamW(lr=0).step()`` (the spec's
+   ``optimizer``; ``sgd`` is ``SGD(lr=0)``): it writes every parameter, as any step does, and
+   leaves the values, so the saved tensors can be compared bit for bit; AdamW also allocates its
+   two moments, as a real first step does; ``zero_grad(set_to_none=True)``;
 5. save: ``model.save_pretrained(dir)`` or ``fsdptk.save_safetensors(model, dir)``.
 
 After each phase: RSS, ``RssAnon``, ``RssFile`` and ``VmHWM`` (reset through
@@ -132,6 +134,14 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     rec["init_s"] = time.perf_counter() - t0
 
     model, rec["load"] = _phase(load, dist, sent=True)
+
+    def make_optimizer() -> torch.optim.Optimizer:
+        if spec.get("optimizer", "adamw") == "sgd":
+            return torch.optim.SGD(model.parameters(), lr=0.0)
+        return torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: written (p -= 0 * u), values kept
+
+    early = spec.get("optimizer_after", "load") == "load"
+    optimizer = make_optimizer() if early else None
     batch = torch.randint(3, model.config.vocab_size, tuple(spec["batch"]),
                           generator=torch.Generator().manual_seed(7))
 
@@ -146,7 +156,7 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         torch.save(logits, out_dir / "logits.pt")
     del logits
     rec["load_forward_s"] = rec["load"]["s"] + rec["forward"]["s"]
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer = optimizer or make_optimizer()
 
     def step():
         model.train()
@@ -157,6 +167,10 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         return float(loss.detach())
 
     rec["loss"], rec["step"] = _phase(step, dist)
+    names = {id(p): n for n, p in model.named_parameters()}
+    # a parameter the step did not reach (no gradient, so no optimizer state): it would never train
+    rec["step"]["params_without_state"] = sorted(
+        names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"] if p not in optimizer.state)
     _trim_heap()  # what the step left live, without the freed heap glibc keeps (reported beside)
     rec["step"]["anon_trimmed"] = status_bytes()["RssAnon"]
     save_dir = Path(spec["save_dir"])

@@ -5,7 +5,8 @@ save_pretrained in the test, nothing downloaded), on 2 gloo ranks (FSDP) and 4 (
 - the logits equal a single-process unsharded model's, and those of transformers' own distributed
   load (``from_pretrained(path, distributed_config=DistributedConfig(...))``) on the same mesh
   (that path needs accelerate even on CPU: skipped where it is not installed);
-- the model trains a step (the whole batch's loss is the single-process loss), saves with
+- the model trains a step with an optimizer built after an eval forward (the whole batch's loss is
+  the single-process loss, and every parameter is updated: none is left gathered by the forward), saves with
   save_safetensors, and from_pretrained loads the directory again with identical logits;
 - rank 0 reads and sends when the other ranks do not see the directory; activation checkpointing
   recomputes each decoder layer and mixed precision gathers in bf16 over fp32 shards;
@@ -111,10 +112,18 @@ def _load_train_save_reload(src: str, dims_kw, out: str) -> dict:
     dp_rank = dist.get_rank() if dims is None else dims.dp_rank
     per = _BATCH // dp_size
     rows = batch[dp_rank * per:(dp_rank + 1) * per]
+    # built after an eval forward (``loaded``): every parameter must be the sharded one by then,
+    # or a parameter still gathered from that forward gets no gradient and never trains
     opt = torch.optim.AdamW(model.parameters(), lr=_LR)
+    def full(p):
+        return p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
+
+    before = {n: full(p).clone() for n, p in model.named_parameters()}
     loss = model(input_ids=rows, labels=rows).loss
     loss.backward()
     opt.step()
+    untrained = sorted(n for n, p in model.named_parameters()
+                       if p not in opt.state or torch.equal(full(p), before[n]))
     opt.zero_grad()
     loss = loss.detach()
     dist.all_reduce(loss)  # every rank's mean; TP ranks of one dp rank hold the same value
@@ -131,7 +140,7 @@ def _load_train_save_reload(src: str, dims_kw, out: str) -> dict:
         hf = {"missing": info["missing_keys"], "unexpected": info["unexpected_keys"],
               "diff": (_logits(plain, batch) - trained).abs().max().item()}
     return {"loaded": loaded, "was_training": was_training, "loss": whole_batch_loss,
-            "trained": trained, "reloaded": reloaded, "hf": hf,
+            "trained": trained, "reloaded": reloaded, "hf": hf, "untrained": untrained,
             "q_proj": (w.device_mesh.mesh_dim_names, tuple(type(p).__name__ for p in w.placements)),
             "tied": model.lm_head.weight is model.model.embed_tokens.weight}
 
@@ -201,6 +210,7 @@ def test_matches_single_process_trains_saves_and_reloads(world, reference, tmp_p
         diff = (r["loaded"] - ref["logits"]).abs().max().item()
         assert diff <= _ATOL, f"logits differ from the single-process model's by {diff}"
         assert r["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+        assert r["untrained"] == [], f"parameters the step did not update: {r['untrained']}"
         assert torch.equal(r["reloaded"], r["trained"])  # the saved directory, loaded again
         assert r["tied"] is (family == "llama")
         names = r["q_proj"][0]
