@@ -6,6 +6,8 @@ Examples::
     .venv-peers/bin/python -m benchmarks --quick         # ~1 minute smoke run, tiny model, 2 ranks
     .venv-peers/bin/python -m benchmarks --sizes 0.5 1 --worlds 4 2 --repeats 2 --write-docs
     .venv-peers/bin/python -m benchmarks --from-json results.json --write-docs   # re-render only
+    .venv-peers/bin/python -m benchmarks --sizes 0.25 0.5 1 2 4 --worlds 2 4 8 --repeats 1 \
+        --scenarios load_mem load_st gather save --write-docs   # scaling figures and tables as well
     .venv-peers/bin/python -m benchmarks --device cuda --write-docs   # on a GPU machine: NCCL, GPU section
     .venv-peers/bin/python -m benchmarks wire --worlds 2 4 --repeats 5   # load/gather vs raw p2p and DCP
     python -m benchmarks hosts --hosts 2 --per-host 2 --rate 1gbit   # root: simulated hosts, bytes across them
@@ -18,6 +20,10 @@ shards are loaded onto / gathered from the GPUs, the in-memory full states the m
 pinned host memory, and each rank reports ``torch.cuda.max_memory_allocated`` over the operation
 beside time and peak RSS. World sizes default to what the machine's GPUs allow (4 and 2, or fewer);
 the physical-limit run (gloo bandwidths) is skipped. Without CUDA it exits 1 with the reason.
+
+With results at more than one model size or world size, ``--write-docs`` also draws a scaling
+figure per scenario (time over size at ``--plot-world`` ranks; time, peak RSS and bytes sent per
+rank beside the ideal over ranks at ``--plot-size`` GB) and adds a Scaling section with its table.
 
 Order of runs: for each world size, model size and repeat, every (scenario, method) once, so that
 a change in the machine's background load hits every method alike. Methods that need torchtune or
@@ -71,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md and docs/img/*.png")
     p.add_argument("--docs", default=str(REPO / "docs" / "benchmarks.md"))
     p.add_argument("--notes", default=None, help="markdown file inserted into the results page")
+    p.add_argument("--plot-world", type=int, default=4,
+                   help="scaling figures: the world size of the plots over model size (the largest run when absent)")
+    p.add_argument("--plot-size", type=float, default=1.0,
+                   help="scaling figures: the model size (GB) of the plots over ranks (the nearest run)")
     p.add_argument("--peers-python", default=str(REPO / ".venv-peers" / "bin" / "python"))
     p.add_argument("--timeout", type=float, default=None, help="seconds per run (default 900, quick 120)")
     p.add_argument("--mem-headroom", type=float, default=0.85,
@@ -232,7 +242,8 @@ def _one(scenario, method, rep, world, cfg, ckpt, args, cache, runs: Path, commo
         spec = {"scenario": scenario, "method": method, "cfg": cfg.__dict__, "ckpt_dir": str(ckpt),
                 "device": args.device}
         res = launch_workers(spec, world, python, out, args.timeout)
-    rec = dict(base, status=res.status, error=res.error, ranks=res.ranks, python=python, log_dir=str(out))
+    rec = dict(base, status=res.status, error=res.error, ranks=res.ranks, python=python, log_dir=str(out),
+               wall_s=res.wall_s)
     if res.status == "ok" and scenario != "ttfs":
         shutil.rmtree(out / "scratch", ignore_errors=True)
     return rec
@@ -353,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.write_docs:
         notes = Path(args.notes).read_text() if args.notes else ""
         for p in write_docs(results, Path(args.docs), notes=notes, sources=[_shown(f) for f in sources],
-                            notes_file=_shown(args.notes) if args.notes else None):
+                            notes_file=_shown(args.notes) if args.notes else None, plot_world=args.plot_world,
+                            plot_size=args.plot_size):
             print(f"[bench] wrote {p}")
     return 0

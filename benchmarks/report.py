@@ -4,7 +4,8 @@ Per (scenario, method, world, size), over the repeats:
 - time: the operation between barriers, max over ranks; median and min-max over repeats;
 - peak RSS: OS high-water mark at the end of the operation, rank 0 and the max over ranks > 0,
   with the baseline (high-water mark just before) and the delta (what the operation added);
-- sent: bytes rank 0 / the busiest other rank wrote to sockets during the operation;
+- sent: bytes rank 0 / the busiest other rank wrote to sockets during the operation, beside the
+  bytes the method's data placement requires (see :func:`ideal_bytes`);
 - limit: the time the operation would take at the measured physical bandwidths, for the data
   placement the method assumes (see :func:`ideal_time`), and measured time's share of it.
 """
@@ -18,8 +19,8 @@ from pathlib import Path
 from .hf_report import hf_section
 from .methods import METHODS, PEERS, SCENARIO_TITLES, SCENARIOS
 
-__all__ = ["aggregate", "render_tables", "write_docs", "ideal_time", "gpu_section", "render_gpu_section",
-           "write_gpu_section"]
+__all__ = ["aggregate", "render_tables", "write_docs", "ideal_time", "ideal_bytes", "plot_scaling",
+           "render_scaling", "gpu_section", "render_gpu_section", "write_gpu_section"]
 
 MB = 1e6
 
@@ -113,6 +114,42 @@ def ideal_time(scenario: str, method: str, world: int, row: dict, lim: dict | No
         return 2 * m * frac / (lim["gather"] * gb)
     if scenario == "optim_load":
         return 2 * m * frac / (lim["scatter"] * gb) if method in _RANK0_SOURCE else 2 * m / world / (lim["memcpy"] * gb)
+    return None
+
+
+def ideal_bytes(scenario: str, method: str, world: int, row: dict) -> dict | None:
+    """Bytes each rank must send for the data placement the method assumes (``None`` when not defined).
+
+    Returns ``{"sent0": ..., "sentN": ..., "placement": ...}``: what rank 0 must send and what each
+    rank > 0 must send (the busiest of them, as ``sentN`` of :func:`aggregate` is), in bytes, with
+    ``m`` the model's bytes (parameters, not the file) and ``w`` the world size. The placements are
+    those of :func:`ideal_time`:
+
+    - rank 0 holds or reads the data (``load_mem`` / ``load_st`` with a method of ``_RANK0_SOURCE``):
+      every other rank's share must leave rank 0, (w-1)/w x m from rank 0, 0 from the others;
+    - every rank holds the data (``fsdptk_all``, torchtune) or reads its own slices from the file
+      (shard-on-read): each keeps its 1/w, nothing needs to be sent;
+    - gather, and save through rank 0: each rank > 0 sends its 1/w x m to rank 0, rank 0 sends 0;
+    - optimizer (AdamW): the same for twice the model bytes (exp_avg, exp_avg_sq): ``optim_gather``
+      2 x m / w from each rank > 0; ``optim_load`` 2 x (w-1)/w x m from rank 0 when rank 0 holds
+      the full state, 0 when every rank does (torchtune).
+    """
+    m = row["model_bytes"]
+    frac = (world - 1) / world
+    rank0 = method in _RANK0_SOURCE
+    if scenario in ("load_mem", "load_st"):
+        if rank0:
+            return {"sent0": m * frac, "sentN": 0.0, "placement": "rank 0 holds/reads"}
+        held = "each rank reads its slices" if method.endswith("shard_on_read") else "every rank holds/reads"
+        return {"sent0": 0.0, "sentN": 0.0, "placement": held}
+    if scenario in ("gather", "save"):
+        return {"sent0": 0.0, "sentN": m / world if world > 1 else 0.0, "placement": "gather to rank 0"}
+    if scenario == "optim_gather":
+        return {"sent0": 0.0, "sentN": 2 * m / world if world > 1 else 0.0, "placement": "gather to rank 0"}
+    if scenario == "optim_load":
+        if rank0:
+            return {"sent0": 2 * m * frac, "sentN": 0.0, "placement": "rank 0 holds"}
+        return {"sent0": 0.0, "sentN": 0.0, "placement": "every rank holds"}
     return None
 
 
@@ -290,16 +327,222 @@ def plot(results: dict, img_dir: Path) -> list[Path]:
     return paths
 
 
+def _scaling_scenarios(rows: dict) -> list[str]:
+    """The scenarios with results at two or more model sizes or world sizes."""
+    out = []
+    for scenario in SCENARIOS:
+        keys = [k for k in rows if k[0] == scenario and rows[k]["status"] == "ok"]
+        if len({k[2] for k in keys}) >= 2 or len({k[3] for k in keys}) >= 2:
+            out.append(scenario)
+    return out
+
+
+def _pick_world(worlds, want: int) -> int:
+    return want if want in worlds else max(worlds)
+
+
+def _pick_size(sizes, want: float) -> float:
+    return min(sizes, key=lambda s: (abs(s - want), -s))
+
+
+def _cpus(results: dict) -> int | None:
+    metas = results.get("meta", {})
+    metas = metas if isinstance(metas, list) else [metas]
+    cpus = [m["cpus"] for m in metas if m.get("cpus")]
+    return min(cpus) if cpus else None
+
+
+def _queue_note(cpus: int | None, worlds) -> str:
+    """What the time over ranks means when there are more ranks than CPU cores ("" when not)."""
+    if not cpus or max(worlds) <= cpus:
+        return ""
+    w = max(worlds)
+    how = "is mostly that queue" if w >= 4 * cpus else "includes that queue"
+    return (f"with more ranks than the {cpus} CPU cores, ranks queue for the cores: at {w} ranks ({w / cpus:g} per "
+            f"core) the time {how}; bytes sent and peak memory do not depend on it")
+
+
+def _methods_in(scenario: str, keys) -> list[str]:
+    methods = [m for m in list(METHODS.get(scenario, {})) + ["fsdptk"] if any(k[1] == m for k in keys)]
+    return list(dict.fromkeys(methods))
+
+
+def plot_scaling(results: dict, img_dir: Path, *, world: int = 4, size: float = 1.0) -> list[Path]:
+    """``bench_scaling_<scenario>.png`` for each scenario with results at >= 2 sizes or worlds.
+
+    Four panels: (a) time over model size at ``world`` ranks (the largest world when ``world`` was
+    not run), (b) time over ranks at ``size`` GB (the nearest size run), (c) peak RSS of rank 0
+    (solid) and the max of ranks > 0 (dashed) over ranks, (d) bytes sent by rank 0 (solid) and the
+    busiest other rank (dashed) over ranks, with :func:`ideal_bytes` as thin black (rank 0) and
+    grey (ranks > 0) lines, one per data placement. One colour per method, as in :func:`plot`.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    rows, _ = aggregate(results)
+    cpus = _cpus(results)
+    paths = []
+    for scenario in _scaling_scenarios(rows):
+        keys = [k for k in rows if k[0] == scenario and rows[k]["status"] == "ok"]
+        w_at = _pick_world({k[2] for k in keys}, world)
+        s_at = _pick_size({k[3] for k in keys}, size)
+        at_size = [k for k in keys if k[3] == s_at]
+        worlds = sorted({k[2] for k in at_size})
+        methods = _methods_in(scenario, keys)
+        img_dir.mkdir(parents=True, exist_ok=True)
+        fig, axes = plt.subplots(1, 4, figsize=(19, 4.8), squeeze=False)
+        ax_size, ax_rank, ax_mem, ax_sent = axes[0]
+
+        def line(ax, pts, m, style, label):
+            pts = sorted(p for p in pts if p[1] is not None)
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", color=_COLORS.get(m), linestyle=style, label=label,
+                        zorder=3 if m.startswith("fsdptk") else 2)  # fsdptk on top where lines coincide
+
+        for m in methods:
+            style = "-" if m.startswith("fsdptk") else "--"
+            line(ax_size, [(k[3], rows[k]["time"]) for k in keys if k[1] == m and k[2] == w_at], m, style, m)
+            line(ax_rank, [(k[2], rows[k]["time"]) for k in at_size if k[1] == m], m, style, m)
+            for field, st, lab in [("peak0", "-", m), ("peakN", "--", None)]:
+                line(ax_mem, [(k[2], rows[k][field] and rows[k][field] / 1e9) for k in at_size if k[1] == m],
+                     m, st, lab)
+        sent = [rows[k][f] for k in at_size for f in ("sent0", "sentN") if rows[k].get(f) is not None]
+        ideals: dict[tuple, list[str]] = {}
+        for m in methods:
+            per = {k[2]: ideal_bytes(scenario, m, k[2], rows[k]) for k in at_size if k[1] == m}
+            if any(v is None for v in per.values()) or not per:
+                continue
+            for field in ("sent0", "sentN"):
+                curve = tuple(sorted((w, v[field]) for w, v in per.items() if v is not None))
+                label = next(v["placement"] for v in per.values() if v is not None)
+                ideals.setdefault((field, curve), [])
+                if label not in ideals[(field, curve)]:
+                    ideals[(field, curve)].append(label)
+        scale, unit = (1e9, "GB") if max(sent + [v for (_, c) in ideals for _, v in c], default=0) >= 1e9 else (MB, "MB")
+        for m in methods:
+            for field, st, lab in [("sent0", "-", m), ("sentN", "--", None)]:
+                line(ax_sent, [(k[2], rows[k].get(field) and rows[k][field] / scale) for k in at_size if k[1] == m],
+                     m, st, lab)
+        for (field, curve), labels in ideals.items():
+            xs, ys = zip(*curve)
+            who = "r0" if field == "sent0" else "r>0"
+            ax_sent.plot(xs, [y / scale for y in ys], color="black" if field == "sent0" else "grey",
+                         linestyle="-" if field == "sent0" else "--", linewidth=0.8, marker="x", markersize=5,
+                         label=f"ideal {who}: " + "; ".join(labels))
+        note = _queue_note(cpus, worlds)
+        for ax, title, xlabel, ylabel in [
+            (ax_size, f"(a) time over model size, {w_at} ranks", "model size (GB)", "time (s)"),
+            (ax_rank, f"(b) time over ranks, {s_at:g} GB" + (f"\n{cpus} CPU cores: ranks > {cpus} queue for them"
+                                                              if note else ""),
+             "ranks" + (f" (at {max(worlds)}: {max(worlds) / cpus:g} per core)" if note else ""), "time (s)"),
+            (ax_mem, f"(c) peak RSS over ranks, {s_at:g} GB", "ranks",
+             "peak RSS (GB): rank 0 solid, max of ranks > 0 dashed"),
+            (ax_sent, f"(d) bytes sent per rank over ranks, {s_at:g} GB", "ranks",
+             f"sent ({unit}): rank 0 solid, busiest rank > 0 dashed"),
+        ]:
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel(ylabel, fontsize=9)
+            ax.set_xlim(left=0)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+        for ax in (ax_rank, ax_mem, ax_sent):
+            ax.set_xticks(worlds)
+        ax_size.legend(fontsize=7)
+        ax_mem.legend(handles=ax_mem.get_legend_handles_labels()[0]
+                      + [Line2D([], [], color="black", linestyle="-", label="rank 0"),
+                         Line2D([], [], color="black", linestyle="--", label="max of ranks > 0")], fontsize=7)
+        ax_sent.legend(fontsize=6)
+        fig.suptitle(f"{scenario}: {SCENARIO_TITLES.get(scenario, scenario)}" + (f"  ({note})" if note else ""),
+                     fontsize=11)
+        fig.tight_layout()
+        path = img_dir / f"bench_scaling_{scenario}.png"
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _gb(x) -> str:
+    return "-" if x is None else f"{x / 1e9:.2f}"
+
+
+def render_scaling(rows: dict, scenario: str) -> str:
+    """One table for ``scenario``: a row per (model size, ranks); each method's time and peak RSS of
+    rank 0, and each fsdptk method's bytes sent by rank 0 / the busiest other rank beside
+    :func:`ideal_bytes`."""
+    keys = [k for k in rows if k[0] == scenario]
+    methods = _methods_in(scenario, keys)
+    mine = [m for m in methods if m.startswith("fsdptk")
+            and any(ideal_bytes(scenario, m, k[2], rows[k]) for k in keys if k[1] == m)]
+    cells = sorted({(k[3], k[2]) for k in keys})
+    out = ["| model GB | ranks | " + " | ".join(f"{m} s / peak r0 GB" for m in methods)
+           + "".join(f" | {m} sent r0 / r>0 MB (ideal)" for m in mine) + " |",
+           "|---|---|" + "---|" * (len(methods) + len(mine))]
+    for size, world in cells:
+        line = [f"{size:g}", str(world)]
+        for m in methods:
+            row = rows.get((scenario, m, world, size))
+            if row is None:
+                line.append("")
+            elif row["status"] != "ok":
+                line.append(row["status"])
+            else:
+                line.append(f"{_s(row['time'])} / {_gb(row['peak0'])}")
+        for m in mine:
+            row = rows.get((scenario, m, world, size))
+            ideal = ideal_bytes(scenario, m, world, row) if row and row["status"] == "ok" else None
+            if ideal is None:
+                line.append("" if row is None else row["status"])
+            else:
+                line.append(f"{_mb(row['sent0'])} / {_mb(row['sentN'])} "
+                            f"({_mb(ideal['sent0'])} / {_mb(ideal['sentN'])})")
+        out.append("| " + " | ".join(line) + " |")
+    return "\n".join(out) + "\n"
+
+
+def _scaling_section(results: dict, rows: dict, pngs: list[Path], world: int, size: float) -> list[str]:
+    if not pngs or (len({k[2] for k in rows}) < 2 and len({k[3] for k in rows}) < 2):
+        return []
+    ok = [k for k in rows if rows[k]["status"] == "ok"]
+    note = _queue_note(_cpus(results), {k[2] for k in ok} or {1})
+    parts = ["## Scaling\n",
+             "Each figure: (a) time over model size at one world size, (b) time over ranks at one model size, "
+             "(c) peak RSS of rank 0 (solid) and the max of ranks > 0 (dashed) over ranks, (d) bytes sent by "
+             "rank 0 (solid) and the busiest other rank (dashed) over ranks, with the bytes the method's data "
+             "placement requires as thin black (rank 0) and grey (ranks > 0) lines. "
+             + (f"Time over ranks: {note}.\n" if note else "\n")]
+    for p in pngs:
+        scenario = p.stem[len("bench_scaling_"):]
+        keys = [k for k in ok if k[0] == scenario]
+        w_at = _pick_world({k[2] for k in keys}, world)
+        s_at = _pick_size({k[3] for k in keys}, size)
+        parts += [f"### {scenario}\n",
+                  f"![{p.stem}](img/{p.name})\n",
+                  f"{SCENARIO_TITLES.get(scenario, scenario)}: time over size at {w_at} ranks; time, peak RSS"
+                  + (" and bytes sent" if any(rows[k].get("sent0") is not None for k in keys) else "")
+                  + f" over ranks at {s_at:g} GB.\n",
+                  render_scaling(rows, scenario)]
+    return parts
+
+
 def _load(avg) -> str:
     return "-" if not avg else " / ".join(f"{x:.1f}" for x in avg)
 
 
 def write_docs(results: dict, page: Path, *, notes: str = "", sources: list[str] | None = None,
-               notes_file: str | None = None) -> list[Path]:
-    """Write the results page and its plots (into ``<page dir>/img``)."""
+               notes_file: str | None = None, plot_world: int = 4, plot_size: float = 1.0) -> list[Path]:
+    """Write the results page and its plots (into ``<page dir>/img``); with results at more than one
+    model size or world size, also the scaling figures (``plot_world`` ranks for the plots over
+    size, ``plot_size`` GB for those over ranks) and a Scaling section."""
     metas = results.get("meta", {})
     metas = metas if isinstance(metas, list) else [metas]
     pngs = plot(results, page.parent / "img")
+    scaling = plot_scaling(results, page.parent / "img", world=plot_world, size=plot_size)
     rows, limits = aggregate(results)
     problems = [f"- {k[0]} / {k[1]} at {k[2]} ranks, {k[3]:g} GB: **{r['status']}**: {r.get('error')}"
                 for k, r in sorted(rows.items()) if r["status"] != "ok"]
@@ -349,6 +592,7 @@ def write_docs(results: dict, page: Path, *, notes: str = "", sources: list[str]
         "## Plots\n",
     ]
     parts += [f"![{p.stem}](img/{p.name})\n" for p in pngs]
+    parts += _scaling_section(results, rows, scaling, plot_world, plot_size)
     if problems:
         parts += ["## Runs that did not complete, or that do not apply\n", "\n".join(problems) + "\n"]
     old = page.read_text() if page.is_file() else ""
@@ -356,7 +600,7 @@ def write_docs(results: dict, page: Path, *, notes: str = "", sources: list[str]
     parts.append(gpu_section(old))  # a GPU run's own block
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text("\n".join(parts))
-    return [page, *pngs]
+    return [page, *pngs, *scaling]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,95 @@
+"""The benchmark suite's report helpers (benchmarks/report.py): the bytes each rank must send for
+the data placement a method assumes (``ideal_bytes``), and the scaling table beside it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.report import aggregate, ideal_bytes, ideal_time, render_scaling  # noqa: E402
+
+M = 1_000_000  # model bytes
+ROW = {"model_bytes": M, "file_bytes": M}
+
+
+def _sent(scenario: str, method: str, world: int) -> tuple[float, float]:
+    ideal = ideal_bytes(scenario, method, world, ROW)
+    assert ideal is not None
+    return ideal["sent0"], ideal["sentN"]
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ideal_bytes_per_placement(world):
+    w = world
+    # rank 0 holds or reads the data: (w-1)/w of it leaves rank 0, the others send nothing
+    for scenario, method in [("load_mem", "fsdptk"), ("load_mem", "dcp"), ("load_mem", "accelerate"),
+                             ("load_st", "fsdptk_rank0_read"), ("load_st", "dcp"), ("load_st", "accelerate")]:
+        assert _sent(scenario, method, w) == pytest.approx((M * (w - 1) / w, 0)), (scenario, method)
+    # every rank holds the data, or reads its own slices: nothing to send
+    for scenario, method in [("load_mem", "fsdptk_all"), ("load_mem", "torchtune"),
+                             ("load_st", "fsdptk_shard_on_read"), ("load_st", "torchtune"),
+                             ("optim_load", "torchtune")]:
+        assert _sent(scenario, method, w) == (0, 0), (scenario, method)
+    # gathers and saves through rank 0: each other rank sends its 1/w, rank 0 nothing
+    for scenario in ("gather", "save"):
+        for method in ("fsdptk", "dcp", "torchtune"):
+            assert _sent(scenario, method, w) == pytest.approx((0, M / w)), (scenario, method)
+    # AdamW: exp_avg and exp_avg_sq, twice the model
+    for method in ("fsdptk", "dcp", "torchtune"):
+        assert _sent("optim_gather", method, w) == pytest.approx((0, 2 * M / w)), method
+    for method in ("fsdptk", "dcp"):
+        assert _sent("optim_load", method, w) == pytest.approx((2 * M * (w - 1) / w, 0)), method
+    assert ideal_bytes("ttfs", "fsdptk", w, ROW) is None
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_ideal_bytes_agree_with_ideal_time(world):
+    """The bytes ideal_time moves over the wire at 1 GB/s are the bytes ideal_bytes says are sent."""
+    lim = {"scatter": 1.0, "gather": 1.0, "memcpy": 1e9, "file_read": 1e9, "file_read_all": 1e9, "file_write": 1e9}
+    for scenario, method in [("load_mem", "fsdptk"), ("load_st", "dcp"), ("optim_load", "fsdptk")]:
+        sent0, _ = _sent(scenario, method, world)
+        assert ideal_time(scenario, method, world, ROW, lim) == pytest.approx(sent0 / 1e9)
+    for scenario in ("gather", "save", "optim_gather"):
+        _, sent_n = _sent(scenario, "fsdptk", world)
+        assert ideal_time(scenario, "fsdptk", world, ROW, lim) == pytest.approx((world - 1) * sent_n / 1e9)
+
+
+def test_committed_results_match_the_ideal_for_fsdptk():
+    """fsdptk's measured bytes in the committed run sit at the ideal (gloo's headers aside)."""
+    path = REPO / "benchmarks" / "results" / "main.json"
+    if not path.is_file():
+        pytest.skip(f"{path} is not there")
+    rows, _ = aggregate(json.loads(path.read_text()))
+    seen = 0
+    for (scenario, method, world, _size), row in rows.items():
+        ideal = ideal_bytes(scenario, method, world, row)
+        if not method.startswith("fsdptk") or row["status"] != "ok" or ideal is None:
+            continue
+        for field in ("sent0", "sentN"):
+            assert row[field] == pytest.approx(ideal[field], rel=0.01, abs=2e6), (scenario, method, world, field)
+        seen += 1
+    assert seen >= 10
+
+
+def _row(time, peak0, sent0, sent_n, status="ok"):
+    return {"status": status, "model_bytes": 1e9, "file_bytes": 1e9, "time": time, "peak0": peak0,
+            "sent0": sent0, "sentN": sent_n}
+
+
+def test_render_scaling_table():
+    rows = {("gather", "fsdptk", 2, 1.0): _row(0.4, 1.9e9, 0, 501e6),
+            ("gather", "fsdptk", 4, 1.0): _row(0.5, 1.6e9, 0, 260e6),
+            ("gather", "dcp", 2, 1.0): _row(1.2, 2.0e9, 500e6, 500e6),
+            ("gather", "dcp", 4, 1.0): _row(None, None, None, None, status="skipped")}
+    lines = render_scaling(rows, "gather").splitlines()
+    assert lines[0] == ("| model GB | ranks | fsdptk s / peak r0 GB | dcp s / peak r0 GB | "
+                        "fsdptk sent r0 / r>0 MB (ideal) |")
+    assert lines[2] == "| 1 | 2 | 0.40 / 1.90 | 1.20 / 2.00 | 0 / 501 (0 / 500) |"
+    assert lines[3] == "| 1 | 4 | 0.50 / 1.60 | skipped | 0 / 260 (0 / 250) |"
