@@ -296,7 +296,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep", action="store_true", help="keep the checkpoints and logs in the work directory")
     p.add_argument("--json", default=None,
                    help="write the results here (default benchmarks/results/hf.json; --quick: <work-dir>/hf.json)")
-    p.add_argument("--from-json", default=None, help="do not run: render these results")
+    p.add_argument("--from-json", nargs="+", default=None,
+                   help="do not run: render these results (several files are merged, e.g. a sweep and extra repeats)")
     p.add_argument("--write-docs", action="store_true",
                    help="rewrite the hf section of --docs and its plots (docs/img/bench_hf_*.png)")
     p.add_argument("--docs", default=str(REPO / "docs" / "benchmarks.md"))
@@ -327,8 +328,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed driver still kills its ranks (finally)
     if args.from_json:
-        results = json.loads(Path(args.from_json).read_text())
-        source = args.from_json
+        parts = [json.loads(Path(f).read_text()) for f in args.from_json]
+        results = {"records": [r for part in parts for r in part["records"]],
+                   "meta": parts[0]["meta"] if len(parts) == 1 else [part["meta"] for part in parts]}
+        source = " ".join(args.from_json)
     else:
         results = run(args)
         path = Path(args.json)

@@ -277,11 +277,8 @@ def apply_tp(
     """
     tp_size = _tp_size(tp_mesh)
     _check_plan(model, plan, tp_size)
-    for fqn, style in plan.items():
-        if fqn == "":
-            parallelize_module(model, tp_mesh, style)
-        else:
-            parallelize_module(model, tp_mesh, {_escape(fqn): style})
+    for fqn, style in plan.items():  # exact FQNs: no pattern walk over every child per key
+        parallelize_module(model.get_submodule(fqn), tp_mesh, style)
     log_rank0(_log, "apply_tp: parallelised %d modules over TP size %s", len(plan), tp_size)
     return model
 
@@ -320,9 +317,4 @@ def _check_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp_size: in
         check = getattr(style, "_check", None)  # ReplicatedKVColwise, HFAttentionHeads, ...
         if callable(check):
             check(module, tp_size, fqn)
-
-
-def _escape(fqn: str) -> str:
-    """``parallelize_module`` fnmatches each atom: escape glob characters of an exact FQN."""
-    return "".join(f"[{c}]" if c in "*?[]" else c for c in fqn)
 
