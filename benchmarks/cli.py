@@ -6,6 +6,7 @@ Examples::
     .venv-peers/bin/python -m benchmarks --quick         # ~1 minute smoke run, tiny model, 2 ranks
     .venv-peers/bin/python -m benchmarks --sizes 0.5 1 --worlds 4 2 --repeats 2 --write-docs
     .venv-peers/bin/python -m benchmarks --from-json results.json --write-docs   # re-render only
+    .venv-peers/bin/python -m benchmarks --from-json main.json --scaling-json scaling.json --write-docs
     .venv-peers/bin/python -m benchmarks --sizes 0.25 0.5 1 2 4 --worlds 2 4 8 --repeats 1 \
         --scenarios load_mem load_st gather save --write-docs   # scaling figures and tables as well
     .venv-peers/bin/python -m benchmarks --device cuda --write-docs   # on a GPU machine: NCCL, GPU section
@@ -23,7 +24,8 @@ the physical-limit run (gloo bandwidths) is skipped. Without CUDA it exits 1 wit
 
 With results at more than one model size or world size, ``--write-docs`` also draws a scaling
 figure per scenario (time over size at ``--plot-world`` ranks; time, peak RSS and bytes sent per
-rank beside the ideal over ranks at ``--plot-size`` GB) and adds a Scaling section with its table.
+rank beside the ideal over ranks at ``--plot-size`` GB) and adds a Scaling section with its table;
+``--scaling-json`` draws these from a sweep of their own (the rest of the page from the main run).
 
 Order of runs: for each world size, model size and repeat, every (scenario, method) once, so that
 a change in the machine's background load hits every method alike. Methods that need torchtune or
@@ -74,6 +76,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="write all results here (default: <work-dir>/results.json)")
     p.add_argument("--from-json", nargs="+", default=None,
                    help="do not run: load results from these files (several are merged, e.g. a main run and a scaling run)")
+    p.add_argument("--scaling-json", nargs="+", default=None,
+                   help="with --write-docs: draw the scaling figures and section from these result files alone "
+                        "(a sweep over sizes and ranks), the rest of the page from the run or --from-json")
     p.add_argument("--write-docs", action="store_true", help="write docs/benchmarks.md and docs/img/*.png")
     p.add_argument("--docs", default=str(REPO / "docs" / "benchmarks.md"))
     p.add_argument("--notes", default=None, help="markdown file inserted into the results page")
@@ -358,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench] results: {path}", flush=True)
         sources = [str(path)]
     print(render_tables(results))
+    scaling = (merge_results([json.loads(Path(f).read_text()) for f in args.scaling_json])
+               if args.scaling_json else None)
     if args.write_docs and args.device == "cuda":
         for p in write_gpu_section(results, Path(args.docs)):
             print(f"[bench] wrote the GPU section of {p}")
@@ -365,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         notes = Path(args.notes).read_text() if args.notes else ""
         for p in write_docs(results, Path(args.docs), notes=notes, sources=[_shown(f) for f in sources],
                             notes_file=_shown(args.notes) if args.notes else None, plot_world=args.plot_world,
-                            plot_size=args.plot_size):
+                            plot_size=args.plot_size, scaling_results=scaling,
+                            scaling_sources=[_shown(f) for f in args.scaling_json or []]):
             print(f"[bench] wrote {p}")
     return 0

@@ -535,15 +535,25 @@ def _load(avg) -> str:
 
 
 def write_docs(results: dict, page: Path, *, notes: str = "", sources: list[str] | None = None,
-               notes_file: str | None = None, plot_world: int = 4, plot_size: float = 1.0) -> list[Path]:
+               notes_file: str | None = None, plot_world: int = 4, plot_size: float = 1.0,
+               scaling_results: dict | None = None, scaling_sources: list[str] | None = None) -> list[Path]:
     """Write the results page and its plots (into ``<page dir>/img``); with results at more than one
     model size or world size, also the scaling figures (``plot_world`` ranks for the plots over
-    size, ``plot_size`` GB for those over ranks) and a Scaling section."""
+    size, ``plot_size`` GB for those over ranks) and a Scaling section.
+
+    ``scaling_results`` (a sweep of its own, e.g. ``--scaling-json``): the scaling figures and
+    section come from it alone, and the rest of the page from ``results`` (so runs of different
+    engines or conditions are not mixed in one median)."""
     metas = results.get("meta", {})
     metas = metas if isinstance(metas, list) else [metas]
+    if scaling_results is not None:
+        smetas = scaling_results.get("meta", {})
+        metas = metas + (smetas if isinstance(smetas, list) else [smetas])
     pngs = plot(results, page.parent / "img")
-    scaling = plot_scaling(results, page.parent / "img", world=plot_world, size=plot_size)
+    sweep = results if scaling_results is None else scaling_results
+    scaling = plot_scaling(sweep, page.parent / "img", world=plot_world, size=plot_size)
     rows, limits = aggregate(results)
+    srows = rows if scaling_results is None else aggregate(scaling_results)[0]
     problems = [f"- {k[0]} / {k[1]} at {k[2]} ranks, {k[3]:g} GB: **{r['status']}**: {r.get('error')}"
                 for k, r in sorted(rows.items()) if r["status"] != "ok"]
     parts = [
@@ -553,8 +563,9 @@ def write_docs(results: dict, page: Path, *, notes: str = "", sources: list[str]
         "## How it was produced\n",
         "```\nbash benchmarks/setup_peers.sh\n" + "\n".join(f".venv-peers/bin/{m.get('command')}" for m in metas)
         + "\n```\n",
-        ("The raw results: " + ", ".join(f"`{f}`" for f in sources) + ". To re-render this page from them: "
-         "`.venv-peers/bin/python -m benchmarks --from-json " + " ".join(sources) + " --write-docs"
+        ("The raw results: " + ", ".join(f"`{f}`" for f in [*sources, *(scaling_sources or [])]) + ". To re-render this page from them: "
+         "`.venv-peers/bin/python -m benchmarks --from-json " + " ".join(sources)
+         + (" --scaling-json " + " ".join(scaling_sources) if scaling_sources else "") + " --write-docs"
          + (f" --notes {notes_file}" if notes_file else "") + "`\n") if sources else "",
     ]
     for m in metas:
@@ -592,7 +603,7 @@ def write_docs(results: dict, page: Path, *, notes: str = "", sources: list[str]
         "## Plots\n",
     ]
     parts += [f"![{p.stem}](img/{p.name})\n" for p in pngs]
-    parts += _scaling_section(results, rows, scaling, plot_world, plot_size)
+    parts += _scaling_section(sweep, srows, scaling, plot_world, plot_size)
     if problems:
         parts += ["## Runs that did not complete, or that do not apply\n", "\n".join(problems) + "\n"]
     old = page.read_text() if page.is_file() else ""
