@@ -183,7 +183,7 @@ def _run_one(method: str, mesh: str, world: int, dims: tuple[int, int], size: fl
     shutil.rmtree(out, ignore_errors=True)
     spec = {"method": method, "dp_shard": dims[0], "tp": dims[1], "ckpt_dir": str(ckpt),
             "batch": list(args.batch), "optimizer": args.optimizer,
-            "optimizer_after": args.optimizer_after, "save_dir": str(out / "saved")}
+            "optimizer_after": args.optimizer_after, "skip_step": args.skip_step, "save_dir": str(out / "saved")}
     res = launch_workers(spec, world, sys.executable, out, args.timeout, module="benchmarks.hf_worker")
     return dict(rec, status=res.status, error=res.error, ranks=res.ranks, wall_s=res.wall_s, log_dir=str(out))
 
@@ -267,7 +267,7 @@ def _environment(args: argparse.Namespace, seconds: float, load_before: tuple[fl
             "platform": platform.platform(), "versions": _versions(), "seconds": seconds,
             "loadavg_before": list(load_before), "loadavg_end": list(os.getloadavg()),
             "sizes": args.sizes, "worlds": args.worlds, "meshes": args.meshes, "repeats": args.repeats,
-            "batch": list(args.batch), "optimizer": args.optimizer, "optimizer_after": args.optimizer_after, "quick": args.quick, "malloc_mmap_threshold": args.malloc_mmap_threshold}
+            "batch": list(args.batch), "optimizer": args.optimizer, "optimizer_after": args.optimizer_after, "skip_step": args.skip_step, "quick": args.quick, "malloc_mmap_threshold": args.malloc_mmap_threshold}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -286,6 +286,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],
                    help="the training step's optimizer, lr 0 (values kept for the saved-tensor check): AdamW "
                         "allocates its two moments, as a real first step does")
+    p.add_argument("--skip-step", action="store_true",
+                   help="no training step (load, first forward and save only): for repeats of the load, as the step "
+                        "is compute on this machine (tens of seconds from 2 GB)")
     p.add_argument("--optimizer-after", default="load", choices=["load", "forward"],
                    help="build the optimizer right after the load (default) or after the first (no_grad) forward; "
                         "transformers' tail unit (final norm, lm_head; reshard_after_forward=False) stays gathered "

@@ -42,7 +42,6 @@ def _per_run(rec: dict[str, Any]) -> dict[str, float]:
         "load_s": max(r["load"]["s"] for r in ranks),
         "fwd_s": max(r["forward"]["s"] for r in ranks),
         "load_fwd_s": max(r["load"]["s"] + r["forward"]["s"] for r in ranks),
-        "step_s": max(r["step"]["s"] for r in ranks),
         "save_s": max(r["save"]["s"] for r in ranks),
         "start_s": max(r["import_s"] + r["init_s"] for r in ranks),
     }
@@ -51,16 +50,18 @@ def _per_run(rec: dict[str, Any]) -> dict[str, float]:
     out.update(both("load_file", lambda r: r["load"]["file"]))
     out.update(both("fwd_anon", lambda r: r["forward"]["anon"]))
     out.update(both("fwd_rss", lambda r: r["forward"]["rss"]))
-    out.update(both("step_anon", lambda r: r["step"]["anon"]))
-    out.update(both("step_rss", lambda r: r["step"]["rss"]))
-    if all("anon_trimmed" in r["step"] for r in ranks):  # results of an earlier worker lack it
-        out.update(both("step_live", lambda r: r["step"]["anon_trimmed"]))
-    out.update(both("step_peak", lambda r: r["step"]["peak"]))
+    if all("step" in r for r in ranks):  # a run of --skip-step has none
+        out["step_s"] = max(r["step"]["s"] for r in ranks)
+        out.update(both("step_anon", lambda r: r["step"]["anon"]))
+        out.update(both("step_rss", lambda r: r["step"]["rss"]))
+        if all("anon_trimmed" in r["step"] for r in ranks):  # results of an earlier worker lack it
+            out.update(both("step_live", lambda r: r["step"]["anon_trimmed"]))
+        out.update(both("step_peak", lambda r: r["step"]["peak"]))
     out.update(both("save_peak", lambda r: r["save"]["peak"]))
     out.update(both("save_above", lambda r: r["save"]["peak"] - r["save"]["rss0"]))
     out.update(both("load_sent", lambda r: r["load"]["sent"]))
     out.update(both("save_sent", lambda r: r["save"]["sent"]))
-    out["peak_any"] = max(max(r[p]["peak"] for p in ("load", "forward", "step", "save")) for r in ranks)
+    out["peak_any"] = max(max(r[p]["peak"] for p in ("load", "forward", "step", "save") if p in r) for r in ranks)
     return out
 
 
@@ -76,11 +77,11 @@ def aggregate(results: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
                                "model_bytes": recs[0]["model_bytes"], "runs": len(ok)}
         if ok:
             per = [_per_run(r) for r in ok]
-            row.update({k: _med([p.get(k) for p in per]) for k in per[0]})
+            row.update({k: _med([p.get(k) for p in per]) for k in dict.fromkeys(k for p in per for k in p)})
         checks = [r.get("check") for r in ok]
         voids = [c["void"] for c in checks if c and c.get("void")]
         row["check"] = ("VOID: " + voids[0]) if voids else ("ok" if checks and all(checks) else "unchecked")
-        untrained = sorted({n for r in ok for rank in r["ranks"] for n in rank["step"].get("params_without_state", [])})
+        untrained = sorted({n for r in ok for rank in r["ranks"] for n in rank.get("step", {}).get("params_without_state", [])})
         if untrained:  # the step gave them no gradient: an optimizer built then would never train them
             row["check"] += f"; not trained by the step: {', '.join(untrained)}"
         diffs = [c["logits_max_diff"] for c in checks if c and c.get("logits_max_diff") is not None]
@@ -132,12 +133,12 @@ def render(results: dict[str, Any]) -> str:
         r = rows[k]
         head = f"| {k[0]} | {k[1]} | {r['model_bytes'] / GB:.2f} | {k[3]} |"
         check = r["check"] + (f" (logits max diff {r['logits_diff']:.1e})" if r["logits_diff"] is not None else "")
-        t.append(f"{head} {_s(r['load_s'])} | {_s(r['fwd_s'])} | {_s(r['load_fwd_s'])} | {_s(r['step_s'])} | "
+        t.append(f"{head} {_s(r['load_s'])} | {_s(r['fwd_s'])} | {_s(r['load_fwd_s'])} | {_s(r.get('step_s'))} | "
                  f"{_s(r['save_s'])} | {_s(r['start_s'])} | {check} |")
         m.append(f"{head} {_g(r['load_peak_r0'])} / {_g(r['load_peak_rN'])} | {_g(r['load_anon_r0'])} / "
                  f"{_g(r['load_anon_rN'])} | {_g(r['load_file_r0'])} / {_g(r['load_file_rN'])} | "
-                 f"{_g(r['fwd_anon_r0'])} / {_g(r['fwd_anon_rN'])} | {_g(r['step_anon_r0'])} / "
-                 f"{_g(r['step_anon_rN'])} | {_g(r.get('step_live_r0'))} / {_g(r.get('step_live_rN'))} | {_g(r['step_rss_r0'])} / {_g(r['step_rss_rN'])} | "
+                 f"{_g(r['fwd_anon_r0'])} / {_g(r['fwd_anon_rN'])} | {_g(r.get('step_anon_r0'))} / "
+                 f"{_g(r.get('step_anon_rN'))} | {_g(r.get('step_live_r0'))} / {_g(r.get('step_live_rN'))} | {_g(r.get('step_rss_r0'))} / {_g(r.get('step_rss_rN'))} | "
                  f"{_g(r['save_peak_r0'])} ({_g(r['save_above_r0'])}) |")
         b.append(f"{head} {_m(r['load_sent_r0'])} / {_m(r['load_sent_rN'])} | {_m(r['save_sent_r0'])} / "
                  f"{_m(r['save_sent_rN'])} | {_m(r['model_bytes'] / k[1])} |")
@@ -344,9 +345,11 @@ def section(results: dict[str, Any], *, source: str, notes: str, pngs: list[Path
              f"{meta['batch'][1]} tokens, the same on every rank (transformers' loaded shards are views of the file "
              "mapping, read in the first forward: compare *load + first forward*);",
              "3. **train step**: forward with labels, backward, "
-             + ("`torch.optim.SGD(lr=0).step()`" if meta.get("optimizer") == "sgd" else
-                "`torch.optim.AdamW(lr=0).step()` (it allocates its two moments, as a real first step does)")
-             + " (it writes every parameter, as any step does, and leaves the values), `zero_grad`;",
+             + ("`torch.optim.SGD(lr=0).step()` (it writes every parameter, as any step does, and leaves the values)"
+                if meta.get("optimizer") == "sgd" else
+                "`torch.optim.AdamW(lr=0).step()`, the optimizer built right after the load (it allocates its two "
+                "moments and writes every parameter, as a first real step does, and leaves the values)")
+             + ", `zero_grad`;",
              "4. **save**.\n",
              "Memory from `/proc/self/status` after each phase: `RssAnon` (anonymous: what the process owns), "
              "`RssFile` (pages of mapped files: the page cache, reclaimable), `VmRSS`, and the peak `VmHWM` over the "

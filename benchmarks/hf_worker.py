@@ -166,6 +166,8 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         return float(loss.detach())
 
+    if spec.get("skip_step"):  # load-focused repeats: the step is compute, minutes at 4 GB
+        return _save_phase(rec, spec, rank, dist, save, model)
     rec["loss"], rec["step"] = _phase(step, dist)
     names = {id(p): n for n, p in model.named_parameters()}
     # a parameter the step did not reach (no gradient, so no optimizer state): it would never train
@@ -173,6 +175,11 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         names.get(id(p), "?") for g in optimizer.param_groups for p in g["params"] if p not in optimizer.state)
     _trim_heap()  # what the step left live, without the freed heap glibc keeps (reported beside)
     rec["step"]["anon_trimmed"] = status_bytes()["RssAnon"]
+    return _save_phase(rec, spec, rank, dist, save, model)
+
+
+def _save_phase(rec: dict[str, Any], spec: dict[str, Any], rank: int, dist: Any, save: Any, model: Any
+                ) -> dict[str, Any]:
     save_dir = Path(spec["save_dir"])
     _, rec["save"] = _phase(lambda: save(model, save_dir), dist, sent=True)
     rec["save"]["files"] = _files_bytes(save_dir) if rank == 0 else 0
