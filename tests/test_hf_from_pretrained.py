@@ -298,3 +298,37 @@ def test_without_a_process_group_the_model_loads_whole(reference):
     assert (_logits(model, _batch()) - ref["logits"]).abs().max().item() == 0
     with pytest.raises(TypeError, match=r"dims must be a ParallelDims or None, got dict"):
         from_pretrained(ref["src"], dims={"tp": 2})
+
+
+def test_the_garbage_collector_is_paused_for_the_call_and_restored(reference, tmp_path):
+    """No automatic collection runs inside the call; the collector's state is restored after it,
+    enabled or disabled, on success and on error (one process: nothing sharded)."""
+    import gc
+    import sys
+
+    src = str(reference("llama")["src"])
+    runs = []
+
+    def count(phase, info):  # a collection inside the composition (not at the call's edges)
+        frame = sys._getframe()
+        while phase == "start" and frame is not None:
+            if frame.f_code.co_name == "_from_pretrained":
+                runs.append(info["generation"])
+                return
+            frame = frame.f_back
+
+    gc.callbacks.append(count)
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            gc.set_threshold(1, 1, 1)  # a collection at almost every allocation, were it enabled
+            runs.clear()
+            from_pretrained(src)
+            assert runs == [] and gc.isenabled() is enabled
+            with pytest.raises(FileNotFoundError):
+                from_pretrained(str(tmp_path / "missing"))
+            assert runs == [] and gc.isenabled() is enabled
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(700, 10, 10)
+        gc.enable()
