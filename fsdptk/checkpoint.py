@@ -37,6 +37,7 @@ from fsdptk._files.safetensors_io import (
     parse_size,
 )
 from fsdptk._files.save import plan_save, write_save
+from fsdptk.conversions import ConversionArg, resolve_load, resolve_save
 from fsdptk.dcp import (
     dcp_to_safetensors,
     load_dcp,
@@ -58,6 +59,12 @@ __all__ = [
 PathLike = str | os.PathLike[str]
 
 
+def save_conversion(model: nn.Module, conversion: ConversionArg) -> dict[str, Any] | None:
+    """Model key -> node over the layout a save of ``model`` writes (``None``: its own keys)."""
+    shapes = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict(keep_vars=True).items()}
+    return resolve_save(model, conversion, shapes)
+
+
 # ----------------------------------------------------------------------------------------------
 # loading
 def _model_view(ckpt: SafetensorsCheckpoint, names: dict[str, str], bar: Any) -> RenamedSource:
@@ -72,6 +79,29 @@ def _model_view(ckpt: SafetensorsCheckpoint, names: dict[str, str], bar: Any) ->
             bar.update(ckpt.nbytes(names[key]))
 
     return RenamedSource(ckpt, names, on_read=count)
+
+
+def _converted_view(ckpt: SafetensorsCheckpoint, model: nn.Module, conversion: ConversionArg, bar: Any
+                    ) -> tuple[Mapping[str, Any] | None, int]:
+    """The checkpoint under the model's keys through ``conversion`` (``None`` when it converts
+    nothing: every model key is one checkpoint tensor under its own name), and the bytes a full
+    read takes. Progress counts each checkpoint key's bytes on its first read."""
+    from fsdptk._engine.sources import as_source
+    from fsdptk._engine.sources.convert import ConvertedSource, Leaf
+
+    source = as_source(ckpt)
+    nodes = resolve_load(model, conversion, {k: source.meta(k) for k in ckpt})
+    if nodes is None or all(isinstance(n, Leaf) and n.key == k for k, n in nodes.items()):
+        return None, 0
+    seen: set[str] = set()
+
+    def count(key: str, _box: Any) -> None:
+        if key not in seen:
+            seen.add(key)
+            bar.update(ckpt.nbytes(key))
+
+    total = sum(ckpt.nbytes(k) for n in nodes.values() for k in set(n.files()))
+    return ConvertedSource(ckpt, nodes, on_read=count), total
 
 
 def _open_agreed(path: Path, shard_on_read: bool | None) -> tuple[SafetensorsCheckpoint | None, bool]:
@@ -117,6 +147,7 @@ def load_safetensors(
     bucket_bytes: int | None = None,
     progress: bool | None = None,
     init_buffers: Callable[[nn.Module], None] | None = None,
+    conversion: ConversionArg = "auto",
 ) -> _IncompatibleKeys:
     """Load a safetensors checkpoint (HF layout) into a sharded or plain model.
 
@@ -152,6 +183,13 @@ def load_safetensors(
             module that has some on ``meta``, overriding the automatic rules (Hugging Face's init
             path, torchtune's ``rope_init``, ``reset_parameters``, :func:`fsdptk.register_buffer_init`);
             as in :func:`fsdptk.load_from_full_model_state_dict`.
+        conversion: how the checkpoint's tensors become the model's (docs/layouts.md):
+            ``"auto"`` (default) reads a transformers model's checkpoint in the layout the Hub
+            ships (per-expert MoE tensors into fused experts, renamed keys) through transformers'
+            own conversion rules for that model, planned per shard (each rank reads only the
+            per-expert tensors and slices its shards cover); other models read keys as they are.
+            A :class:`fsdptk.conversions.Conversion` declares the rules for any model; ``None``
+            reads keys as they are. Ignored when ``rename`` is given.
 
     Returns:
         torch.nn.modules.module._IncompatibleKeys: ``missing_keys`` and ``unexpected_keys`` in
@@ -161,6 +199,9 @@ def load_safetensors(
         FileNotFoundError: no checkpoint at ``path`` (or a shard missing), on every rank.
         CheckpointError: a corrupt/truncated file, an index naming a key its file lacks, on every
             rank.
+        ConversionError: (a ``ValueError``) checkpoint tensors the conversion cannot combine: a
+            missing per-expert tensor (named), tensors that do not stack (both shapes), two keys
+            for one model key; on every rank, before the model changes.
         ValueError: a rename collision, a shape mismatch, ``bucket_bytes`` not a positive int;
             non-persistent buffers on ``meta`` that no rule can compute (names them and the
             remedies), on every rank.
@@ -191,9 +232,19 @@ def load_safetensors(
     try:
         names = run_agreed(lambda: rename_keys(ckpt.keys() if ckpt is not None else [], rename,
                                                what="checkpoint key"), on=ckpt is not None)
-        total = sum(ckpt.nbytes(names[k]) for k in names) if ckpt is not None else 0
+        bar_box: list[Any] = []
+        converted, converted_total = run_agreed(
+            lambda: _converted_view(ckpt, model, conversion, _Deferred(bar_box)) if ckpt is not None and rename is None
+            else (None, 0), on=True)
+        total = converted_total if converted is not None else (
+            sum(ckpt.nbytes(names[k]) for k in names) if ckpt is not None else 0)
         with progress_bar(total, f"load {path.name}", progress) as bar:
-            view: Mapping[str, Any] = _model_view(ckpt, names, bar) if ckpt is not None else {}
+            bar_box.append(bar)
+            view: Mapping[str, Any] = {}
+            if converted is not None:
+                view = converted
+            elif ckpt is not None:
+                view = _model_view(ckpt, names, bar)
             return load_from_full_model_state_dict(
                 model, view, infer_device(model) if device is None else torch.device(device),
                 strict=strict, cpu_offload=cpu_offload, release_sd=False,
@@ -202,6 +253,17 @@ def load_safetensors(
     finally:
         if ckpt is not None:
             ckpt.close()
+
+
+class _Deferred:
+    """A progress bar opened after the view that reports to it is built."""
+
+    def __init__(self, box: list[Any]) -> None:
+        self.box = box
+
+    def update(self, n: int) -> None:
+        if self.box:
+            self.box[0].update(n)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,6 +280,7 @@ def save_safetensors(
     bucket_bytes: int | None = None,
     progress: bool | None = None,
     write_config: bool = True,
+    conversion: ConversionArg = "auto",
 ) -> Path:
     """Save a (sharded) model as a Hugging Face safetensors checkpoint directory, streaming.
 
@@ -250,6 +313,11 @@ def save_safetensors(
             ``save_pretrained`` does, so ``from_pretrained(path)`` loads the directory as is. They
             are staged on rank 0 before any tensor moves and renamed into place right after the
             weights are committed: a failed save leaves no new config. ``False``: weights only.
+        conversion: ``"auto"`` (default) writes a transformers model in the layout its
+            ``save_pretrained`` writes (the Hub layout: per-expert MoE tensors, the checkpoint's
+            names), through the inverse of transformers' conversion rules for that model, tensor
+            by tensor as they are gathered; other models, and ``None``, write the model's own
+            keys (``model.state_dict()``). ``rename`` then applies to the written keys.
 
     Returns:
         Path: the index file, or the single ``model.safetensors`` (on every rank).
@@ -275,8 +343,10 @@ def save_safetensors(
         ['bias', 'weight']
     """
     wait_for_pending()
+    nodes = run_agreed(lambda: save_conversion(model, conversion))
     plan = plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
-                      rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress)
+                      rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress,
+                      conversion=nodes)
 
     def stage_config() -> Any:
         return stage_hf_config(model, plan.path, dtype=dtype) if write_config else None

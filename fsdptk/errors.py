@@ -4,6 +4,8 @@ Each subclasses the built-in exception that code written before it existed catch
 ``except ValueError`` / ``except RuntimeError`` / ``except BlockingIOError`` keep working:
 
 - :class:`CheckpointError` (``ValueError``): a checkpoint that cannot be used as it is.
+- :class:`ConversionError` (a ``CheckpointError``): checkpoint tensors a conversion cannot combine
+  into the model's (a missing per-expert tensor, shapes that do not stack).
 - :class:`CheckpointLockedError` (``BlockingIOError``): another writer holds a checkpoint's lock.
 - :class:`ShardConditionError` (``RuntimeError``): a shard condition raised on a module.
 - :class:`StateDictMismatchError` (``RuntimeError``): a strict model or optimizer load whose keys
@@ -29,6 +31,7 @@ from collections.abc import Sequence
 
 __all__ = [
     "CheckpointError",
+    "ConversionError",
     "CheckpointLockedError",
     "ShardConditionError",
     "StateDictMismatchError",
@@ -38,6 +41,12 @@ __all__ = [
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used as it is: corrupt, truncated, inconsistent or mismatched."""
+
+
+class ConversionError(CheckpointError):
+    """Checkpoint tensors that a conversion (:mod:`fsdptk.conversions`) cannot combine into the
+    model's: a missing per-expert tensor (named), tensors that do not stack or concatenate (both
+    shapes named), two checkpoint keys for one model key."""
 
 
 class CheckpointLockedError(BlockingIOError):

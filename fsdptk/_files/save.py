@@ -23,6 +23,8 @@ from fsdptk import _engine
 from fsdptk._core.dist import is_rank0, raise_if_any, run_agreed
 from fsdptk._core.names import tie_groups
 from fsdptk._engine import bucket_size
+from fsdptk._engine.layouts import box_shape, full_box
+from fsdptk._engine.sources.convert import Node, Unconverter
 from fsdptk._files.common import Rename, progress_bar, rename_keys, trim_heap
 from fsdptk._files.pending import wait_for_pending
 from fsdptk._files.safetensors_io import INDEX_SUFFIX, parse_size
@@ -52,17 +54,23 @@ def save_items(model: nn.Module, tied: str, rename: Rename, dtype: torch.dtype |
 
 
 def stream_to_writer(buckets: Generator[list[tuple[str, torch.Tensor]], None, None], writer: ShardedWriter | None,
-            out_name: dict[str, str], dtypes: dict[str, torch.dtype], bar: Any
-            ) -> tuple[BaseException | None, Path | None]:
+            out_name: dict[str, str], dtypes: dict[str, torch.dtype], bar: Any,
+            split: Unconverter | None = None) -> tuple[BaseException | None, Path | None]:
     """Write every gathered tensor (rank 0) and commit. A write error is thrown into ``buckets``
     (the engine's ``collect``): its next status agreement raises it on every rank at once. A
-    commit error is returned (agreed by the caller)."""
+    commit error is returned (agreed by the caller). ``split`` turns each gathered model tensor
+    into the checkpoint's tensors (a conversion's inverse: the Hub layout); ``out_name`` then maps
+    checkpoint keys to file keys."""
     with bar:
         for bucket in buckets:
             for key, full in bucket:  # rank 0 only; the other ranks get empty buckets
                 if writer is not None:
                     try:
-                        bar.update(writer.write(out_name[key], full.to(dtypes[key])))
+                        pieces = split.feed(key, full) if split is not None else [(key, full)]
+                        for name, piece in pieces:
+                            if name in out_name:
+                                bar.update(writer.write(out_name[name], piece.to(dtypes[key]).contiguous()))
+                        del pieces
                     except Exception as e:  # noqa: BLE001 - agreed by the engine, raised here
                         buckets.throw(e)
                 del full
@@ -95,20 +103,37 @@ class SavePlan:
     bucket_bytes: int
     progress: bool | None
     prefix: str = "model"  # file names: <prefix>.safetensors, or shards and <prefix>.safetensors.index.json
+    split: Unconverter | None = None  # model tensors -> checkpoint tensors (a conversion's inverse)
 
 
 def plan_save(model: nn.Module, path: PathLike, *, max_shard_size: int | str, tied: str,
                dtype: torch.dtype | None, rename: Rename, metadata: Mapping[str, str] | None,
-               bucket_bytes: int | None, progress: bool | None) -> SavePlan:
-    """The front half of :func:`fsdptk.save_safetensors`: arguments checked, items and file layout planned."""
+               bucket_bytes: int | None, progress: bool | None,
+               conversion: Mapping[str, Node] | None = None) -> SavePlan:
+    """The front half of :func:`fsdptk.save_safetensors`: arguments checked, items and file layout
+    planned. ``conversion`` (model key -> node over the checkpoint's layout) writes each model
+    tensor as the checkpoint tensors its node reads (the Hub layout); ``rename`` then applies to
+    those keys."""
     path = Path(path)
     limit = parse_size(max_shard_size)
     nbytes = bucket_size(bucket_bytes)
-    items, out_name, dtypes = save_items(model, tied, rename, dtype)
-    entries = [(out_name[k], dtypes[k], tuple(t.shape)) for k, t in items]
+    if conversion is None:
+        items, out_name, dtypes = save_items(model, tied, rename, dtype)
+        entries = [(out_name[k], dtypes[k], tuple(t.shape)) for k, t in items]
+        split = None
+    else:
+        items, _, dtypes = save_items(model, tied, None, dtype)
+        pieces: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        for k, _t in items:
+            node = conversion[k]
+            for leaf, box in node.leaves(full_box(node.shape)):
+                pieces.setdefault(leaf, (dtypes[k], box_shape(box)))
+        out_name = {old: new for new, old in rename_keys(list(pieces), rename, what="checkpoint key").items()}
+        entries = [(out_name[k], d, s) for k, (d, s) in pieces.items() if k in out_name]
+        split = Unconverter(conversion)
     files = plan_shards(entries, limit)  # validates dtypes on every rank
     return SavePlan(path=path, items=items, out_name=out_name, dtypes=dtypes, entries=entries, files=files,
-                     limit=limit, metadata=metadata, bucket_bytes=nbytes, progress=progress)
+                     limit=limit, metadata=metadata, bucket_bytes=nbytes, progress=progress, split=split)
 
 
 def write_save(plan: SavePlan, stage_config: Callable[[], Any]) -> Path:
@@ -134,7 +159,7 @@ def write_save(plan: SavePlan, stage_config: Callable[[], Any]) -> Path:
                        _engine.collect(plan.items, bucket_bytes=plan.bucket_bytes))
         error, result = stream_to_writer(buckets, writer, plan.out_name, plan.dtypes,
                                 progress_bar(writer.total_size if writer else 0, f"save {path.name}",
-                                             plan.progress))
+                                             plan.progress), plan.split)
     except BaseException:  # the engine failed on every rank: leave nothing behind
         if writer is not None:
             writer.abort()

@@ -15,10 +15,11 @@ classes fsdptk adds are in :mod:`fsdptk._plans.tp_styles`):
 :class:`RowwiseKeepTied` (torch's classes, keeping a tied weight one Parameter),
 ``sequence_parallel`` is ``SequenceParallel``, ``replicated_with_grad_allreduce`` is
 :class:`ReplicatedPartialGrad`, ``all_reduce`` is ``PrepareModuleOutput(Partial -> Replicate)``,
-``replicate`` needs nothing. Strings for fused (packed) expert weights, expert parallelism and MLA
-(``packed_colwise``, ``packed_rowwise``, ``moe_tp_experts``, ``moe_identity_expert``,
-``grouped_gemm``, ``ep_dispatch_experts``, ``mla_kv_a_proj``, ``local_params``) and rules naming a
-parameter rather than a module have no translation: :func:`fsdptk.hf.hf_tp_plan` raises a ValueError naming
+``replicate`` needs nothing; ``moe_tp_experts`` (a Mixture-of-Experts layer's fused experts, with
+its parameters' ``packed_colwise`` / ``rowwise`` rules) is :class:`MoEExpertsTP`. Strings for
+expert parallelism and MLA (``packed_rowwise``, ``moe_identity_expert``, ``grouped_gemm``,
+``ep_dispatch_experts``, ``mla_kv_a_proj``, ``local_params``) and other rules naming a parameter
+rather than a module have no translation: :func:`fsdptk.hf.hf_tp_plan` raises a ValueError naming
 the string and the FQN.
 
 Attention: transformers' attention modules reshape with ``-1`` heads, so an even split of the q/k/v
@@ -51,6 +52,7 @@ from fsdptk._plans.tp_styles import (
     ColwiseKeepTied,
     GatherSequence,
     HFAttentionHeads,
+    MoEExpertsTP,
     ReplicatedKVColwise,
     ReplicatedPartialGrad,
     RowwiseKeepTied,
@@ -80,13 +82,15 @@ TRANSLATED: dict[str, tuple[type[nn.Module] | None, Callable[[], ParallelStyle] 
     "all_reduce": (None, lambda: PrepareModuleOutput(
         output_layouts=Partial(), desired_output_layouts=Replicate())),
     "replicate": (None, None),
+    # the experts module with its parameters' styles (packed_colwise / colwise / rowwise): built
+    # by _experts from the plan's parameter rules, not from this table
+    "moe_tp_experts": (None, None),
 }
 
 # strings transformers knows that have no DTensor module-style translation here, and why
 REFUSED: dict[str, str] = {
-    "packed_colwise": "fused (packed) expert weights: expert parallel is not built",
-    "packed_rowwise": "fused (packed) expert weights: expert parallel is not built",
-    "moe_tp_experts": "mixture-of-experts layers: expert parallel is not built",
+    "packed_colwise": "a parameter style: it applies inside a 'moe_tp_experts' module",
+    "packed_rowwise": "packed rowwise expert weights are not translated",
     "moe_identity_expert": "mixture-of-experts layers: expert parallel is not built",
     "grouped_gemm": "expert-parallel weights: expert parallel is not built",
     "ep_dispatch_experts": "expert-parallel token dispatch: expert parallel is not built",
@@ -130,6 +134,9 @@ def _match(modules: Mapping[str, nn.Module], rules: Mapping[str, str]) -> dict[s
         for pname, _ in module.named_parameters(recurse=False):
             fqn = f"{mfqn}.{pname}" if mfqn else pname
             rule = fqn if fqn in rules else _generic(fqn)
+            owner = rules.get(mfqn, rules.get(_generic(mfqn)))
+            if owner == "moe_tp_experts":  # its parameters' styles are the module style's
+                continue
             if rule in rules and rule not in names and rules[rule] != "replicate":
                 raise ValueError(
                     f"tp_plan rule '{rule}' -> '{rules[rule]}' names the parameter '{fqn}', not a "
@@ -150,6 +157,23 @@ def _translate(string: str, fqn: str, module: nn.Module) -> ParallelStyle | None
         raise ValueError(f"tp_plan style '{string}' of module '{fqn}' shards an "
                          f"nn.{kind.__name__}, but the module is a {type(module).__name__}")
     return None if make is None else make()
+
+
+def _experts(fqn: str, module: nn.Module, rules: Mapping[str, str]) -> MoEExpertsTP:
+    """The ``moe_tp_experts`` style of ``fqn`` with its parameters' declared strings."""
+    params = {}
+    for pname, _ in module.named_parameters(recurse=False):
+        full = f"{fqn}.{pname}"
+        string = rules.get(full, rules.get(_generic(full)))
+        if string is not None:
+            params[pname] = string
+    style = MoEExpertsTP(params)
+    for pname, p in module.named_parameters(recurse=False):
+        if params.get(pname) not in MoEExpertsTP.STRINGS:
+            raise ValueError(f"experts module '{fqn}' ({type(module).__name__}): parameter '{pname}' "
+                             f"(shape {list(p.shape)}) has tp_plan style {params.get(pname)!r}; "
+                             f"'moe_tp_experts' shards {list(MoEExpertsTP.STRINGS)} parameters only")
+    return style
 
 
 def _placement(style: ParallelStyle | None, module: nn.Module, pname: str) -> str:
@@ -269,9 +293,11 @@ def _translate_tree(model: nn.Module, modules: Mapping[str, nn.Module], sequence
                     ) -> tuple[dict[str, str], dict[str, ParallelStyle | None]]:
     """(fqn -> style string, fqn -> style) over ``modules`` (the model's tree, fqn -> module; for
     a PEFT model its base model's tree, base layers standing where their tuners are)."""
-    strings = _match(modules, _declared_plan(model))
+    declared = _declared_plan(model)
+    strings = _match(modules, declared)
     styles: dict[str, ParallelStyle | None] = {
-        f: _translate(s, f, modules[f]) for f, s in strings.items()}
+        f: _experts(f, modules[f], declared) if s == "moe_tp_experts" else _translate(s, f, modules[f])
+        for f, s in strings.items()}
 
     attn_heads: dict[str, tuple[int, int]] = {}
     for f, s in strings.items():
@@ -344,6 +370,8 @@ def _tp_shard_dims(style: ParallelStyle | None, module: nn.Module, tp: int | Non
         return {n: 1 if emb else 0 for n in names}
     if isinstance(style, RowwiseParallel):
         return {n: 0 if emb else 1 for n in names if emb or n != "bias"}
+    if isinstance(style, MoEExpertsTP):
+        return {n: 2 if s == "rowwise" else 1 for n, s in style.params.items()}
     return {}
 
 

@@ -332,3 +332,96 @@ class HFAttentionHeads(ParallelStyle):
     def __repr__(self) -> str:
         return (f"HFAttentionHeads(num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"gather_sequence={self.gather_sequence})")
+
+
+class MoEExpertsTP(ParallelStyle):
+    """transformers' ``"moe_tp_experts"``: every rank holds every expert, a slice of each expert's
+    intermediate dimension.
+
+    The fused expert weights are 3-D (``[experts, out, in]``). ``"packed_colwise"`` (``gate_up_proj``:
+    gate rows then up rows) shards each half's rows alike, so a rank holds its gate rows and the
+    matching up rows: ``_StridedShard(1, split_factor=2)``, the placement DTensor gives a dim
+    sharded after a split into two. ``"colwise"`` is ``Shard(1)``, ``"rowwise"`` (``down_proj``)
+    ``Shard(2)``. The module's own forward then runs on the local slices (its parameters swapped for
+    their local tensors for the call, gradients flowing back to the DTensors) and its output, a
+    partial sum over the ranks' intermediate slices, is summed over the TP ranks (``Partial`` ->
+    ``Replicate``, whose backward is the identity). Inputs are whole on every rank; their
+    gradients (hidden states, routing weights), partial on each rank, are summed over the TP
+    ranks in backward (identity forward), so the replicated modules before the experts (router,
+    norms, attention) get the same gradient on every TP rank.
+
+    Args:
+        params: parameter name -> transformers style string (``packed_colwise``, ``colwise``,
+            ``rowwise``); every parameter of the module must be named.
+    """
+
+    STRINGS = ("packed_colwise", "colwise", "rowwise")
+
+    def __init__(self, params: Mapping[str, str]) -> None:
+        super().__init__()
+        self.params = dict(params)
+
+    def placement(self, string: str) -> Placement:
+        from fsdptk._core.compat import StridedShard
+
+        if string == "packed_colwise":
+            return cast(Placement, StridedShard(1, split_factor=2))
+        return Shard(1) if string == "colwise" else Shard(2)
+
+    def _check(self, module: nn.Module, tp: int, fqn: str = "") -> None:
+        where = f"experts module '{fqn}' ({type(module).__name__})"
+        for pname, p in module.named_parameters(recurse=False):
+            string = self.params.get(pname)
+            if string not in self.STRINGS:
+                raise ValueError(f"{where}: parameter '{pname}' (shape {list(p.shape)}) has no tensor-"
+                                 f"parallel rule ({string!r}); experts sharded with 'moe_tp_experts' "
+                                 f"need one of {list(self.STRINGS)} for each parameter (a bias is not "
+                                 "supported)")
+            if p.dim() != 3:
+                raise ValueError(f"{where}: parameter '{pname}' has shape {list(p.shape)}; fused "
+                                 "expert weights are 3-D [experts, out, in]")
+            dim = 2 if string == "rowwise" else 1
+            parts = 2 * tp if string == "packed_colwise" else tp
+            if p.shape[dim] % parts:
+                raise ValueError(f"{where}: parameter '{pname}' dim {dim} ({p.shape[dim]}) must be "
+                                 f"divisible by {parts} ('{string}' over tensor parallel size {tp})")
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self._check(module, device_mesh.size())
+        for pname, p in list(module.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor):
+                module.register_parameter(pname, nn.Parameter(
+                    distribute_tensor(p, device_mesh, [self.placement(self.params[pname])],
+                                      src_data_rank=self.src_data_rank),
+                    requires_grad=p.requires_grad))
+        saved: list[dict[str, Any]] = []
+
+        def entering(x: Any) -> Any:  # identity forward; backward sums the partial grads
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.is_floating_point():
+                return DTensor.from_local(x, device_mesh, [Replicate()], run_check=False).to_local(
+                    grad_placements=[Partial()])
+            return x
+
+        def to_local(mod: nn.Module, args: Any, kwargs: Any) -> Any:
+            own: dict[str, Any] = {n: p for n, p in mod._parameters.items() if isinstance(p, DTensor)}
+            saved.append(own)
+            for n, p in own.items():
+                mod._parameters[n] = p.to_local()
+            return tuple(entering(a) for a in args), {k: entering(v) for k, v in kwargs.items()}
+
+        def reduce(mod: nn.Module, args: Any, out: Any) -> Any:
+            mod._parameters.update(saved.pop())
+            return DTensor.from_local(out, device_mesh, [Partial()], run_check=False).redistribute(
+                device_mesh, [Replicate()]).to_local()
+
+        def restore_on_error(mod: nn.Module, args: Any, out: Any) -> None:
+            if saved:
+                mod._parameters.update(saved.pop())
+
+        module.register_forward_pre_hook(to_local, with_kwargs=True)
+        module.register_forward_hook(reduce)
+        module.register_forward_hook(restore_on_error, always_call=True)
+        return module
+
+    def __repr__(self) -> str:
+        return f"MoEExpertsTP(params={self.params})"

@@ -1,0 +1,312 @@
+"""transformers' own checkpoint conversions, planned per shard by the engine's conversion views.
+
+transformers 5.x declares, per model family, how the checkpoints on the Hub map to its modules
+(``transformers.conversion_mapping.get_model_conversion_mapping(model)``: a list of
+``WeightRenaming`` and ``WeightConverter(source_patterns, target_patterns, operations)``), and
+applies it in ``from_pretrained`` by reading every source tensor whole, then converting. Here the
+same mapping is used as data: the keys are renamed by transformers' own
+``core_model_loading.rename_source_key`` (so every renaming rule, scope and prefix behaves exactly
+as in transformers), and each converter's operations are replayed on the engine's
+:class:`~fsdptk._engine.sources.convert.Node` trees (``MergeModulelist`` -> ``Stack``,
+``Concatenate`` -> ``Concat``, ``Chunk`` -> ``Chunk``, ``Transpose`` -> ``Transpose``), which read
+only what each rank's box covers. An operation without a per-box translation is run by
+transformers itself on the whole source tensors (correct, not shard-planned).
+
+The save direction asks transformers for the checkpoint layout ``save_pretrained`` writes
+(``core_model_loading.revert_weight_conversion`` on shape-only ``meta`` tensors), builds the same
+trees over it, and writes each model tensor back through the trees' inverse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from fsdptk._engine.layouts import Box, extract, full_box
+from fsdptk._engine.sources import TensorMeta
+from fsdptk._engine.sources.convert import (
+    Chunk,
+    Concat,
+    ConversionProblem,
+    Leaf,
+    Node,
+    Op,
+    Stack,
+    Transpose,
+    apply_ops,
+)
+
+__all__ = ["hub_nodes", "hub_file_metas", "hub_save_nodes", "is_hf_model"]
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (transformers already imported)."""
+    import sys
+
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def _mapping(model: nn.Module, *, legacy: bool) -> list[Any]:
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    transforms = list(get_model_conversion_mapping(cast(Any, model), add_legacy=legacy))
+    if not legacy:  # as revert_weight_conversion does for a model not built by from_pretrained
+        transforms = [t for t in transforms if not isinstance(t, PrefixChange)]
+    return transforms
+
+
+@dataclass(eq=False)
+class _Opaque(Node):
+    """A target transformers converts with an operation that has no per-box translation: the
+    group's source tensors are read whole and converted by transformers' own converter."""
+
+    group: _Group
+    target: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def read(self, source: Any, box: Box) -> torch.Tensor:
+        return extract(self.group.run(source)[self.target], box)
+
+    def leaves(self, box: Box) -> Iterator[tuple[str, Box]]:
+        for keys in self.group.inputs.values():
+            for k, meta in keys:
+                yield k, full_box(meta.shape)
+
+    def split(self, full: torch.Tensor) -> Iterator[tuple[Any, torch.Tensor]]:
+        raise NotImplementedError(
+            f"{self.target!r}: transformers converts it with {self.group.converter.operations}, which "
+            "fsdptk cannot write back per tensor; save with conversion=None (the model's own layout)")
+
+
+@dataclass(eq=False)
+class _Group:
+    converter: Any
+    layer: str
+    model: Any
+    inputs: dict[str, list[tuple[str, TensorMeta]]]
+
+    def run(self, source: Any) -> dict[str, torch.Tensor]:
+        import copy
+
+        conv = copy.deepcopy(self.converter)
+        for pattern, keys in self.inputs.items():
+            for k, _ in keys:
+                conv.collected_tensors[pattern].append(lambda k=k: source.read(k, None))
+        return dict(conv.convert(self.layer, model=self.model, config=getattr(self.model, "config", None)))
+
+
+def _translate(op: Any, config: Any) -> tuple[Op, list[str] | None] | None:
+    """transformers' op -> (the engine's op, targets override) or None (no per-box translation)."""
+    from transformers import core_model_loading as cml
+
+    kind = type(op)
+    if kind is cml.MergeModulelist:
+        return Stack(op.dim), None
+    if kind is cml.Concatenate:
+        return Concat(op.dim), None
+    if kind is cml.Chunk:
+        return Chunk(op.dim), None
+    if kind is cml.Transpose and not op.check_dims:
+        return Transpose(op.dim0, op.dim1), None
+    return None
+
+
+def _index_template(keys: list[tuple[int, str]]) -> str | None:
+    """``'...experts.{}.up_proj.weight'`` from a pattern's (index, key) list: the dotted segment
+    that holds the index."""
+    if not keys:
+        return None
+    i0, k0 = keys[0]
+    parts = k0.split(".")
+    spots = [j for j, p in enumerate(parts) if p == str(i0)]
+    if len(keys) > 1:
+        other = keys[1][1].split(".")
+        spots = [j for j in spots if j < len(other) and other[j] != parts[j]] or spots
+    if not spots:
+        return None
+    parts[spots[-1]] = "{}"
+    return ".".join(parts)
+
+
+def hub_nodes(model: nn.Module, metas: Mapping[str, TensorMeta], *, legacy: bool = True
+              ) -> dict[str, Node] | None:
+    """The checkpoint ``metas`` (key -> shape and dtype) under ``model``'s keys, as transformers'
+    ``from_pretrained`` would convert it; ``None`` when transformers declares no conversion for
+    the model (its keys are read as they are).
+
+    Raises:
+        ConversionProblem: two checkpoint keys for one model key; tensors that do not stack (both
+            shapes); a per-expert tensor missing (named).
+    """
+    from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
+
+    transforms = _mapping(model, legacy=legacy)
+    if not transforms:
+        return None
+    renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    model_shapes = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+    prefix = getattr(model, "base_model_prefix", None) or None
+    nodes: dict[str, Node] = {}
+    origin: dict[str, str] = {}
+    groups: dict[str, _Group] = {}
+    for key in sorted(metas, key=dot_natural_key):
+        target, pattern = rename_source_key(key, renamings, converters, prefix, model_shapes)
+        if pattern is None:
+            if target in origin:
+                raise ConversionProblem(f"checkpoint keys {origin[target]!r} and {key!r} both load into "
+                                      f"{target!r}")
+            origin[target] = key
+            nodes[target] = Leaf(key, tuple(metas[key].shape), metas[key].dtype)
+            continue
+        conv = by_pattern[pattern]
+        group = groups.setdefault(target, _Group(conv, target, model, {}))
+        group.inputs.setdefault(pattern, []).append((key, metas[key]))
+    for layer, group in groups.items():
+        for target, node in _convert_group(group, model_shapes).items():
+            if target in origin:
+                raise ConversionProblem(f"checkpoint keys {origin[target]!r} and {node.files()[0]!r} both "
+                                      f"load into {target!r}")
+            origin[target] = node.files()[0] if not isinstance(node, _Opaque) else layer
+            nodes[target] = node
+    return nodes
+
+
+def _convert_group(group: _Group, model_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Node]:
+    conv = group.converter
+    sources, targets = list(conv.source_patterns), list(conv.target_patterns)
+    ops: list[Op] = []
+    for op in conv.operations:
+        got = _translate(op, getattr(group.model, "config", None))
+        if got is None:
+            return _opaque(group)
+        if type(op).__name__ == "Chunk" and op.num_shards_attribute is not None:
+            targets = op.get_target_patterns(targets, config=group.model.config)
+        ops.append(got[0])
+    _check_experts(group, model_shapes, ops)
+    inputs: dict[str, list[Node]] = {p: [Leaf(k, tuple(m.shape), m.dtype) for k, m in group.inputs[p]]
+              for p in sources if p in group.inputs}
+    out = apply_ops(ops, inputs, sources, targets)
+    full = group.layer.replace("*.", "0.") if "*." in group.layer else group.layer
+    named: dict[str, Node] = {}
+    for pattern, node in out.items():
+        found = next((full.partition(k) for k in out if k in full), None)
+        if found is None:
+            named[pattern] = node
+            continue
+        pre, _, post = found
+        named[pre + pattern + post] = node
+    return named
+
+
+def _check_experts(group: _Group, model_shapes: Mapping[str, tuple[int, ...]], ops: list[Op]) -> None:
+    """Name a missing per-expert tensor (``...experts.3.up_proj.weight``) before the tensors are
+    combined: every source pattern of a stacked target needs one tensor per index, as many as the
+    model's tensor has along the stacked dim."""
+    stack_dims = [op.dim for op in ops if isinstance(op, Stack)]
+    if not stack_dims:
+        return
+    want = model_shapes.get(group.layer)
+    counts = {p: len(keys) for p, keys in group.inputs.items()}
+    expected = want[stack_dims[0]] if want is not None and len(want) > stack_dims[0] else max(counts.values())
+    missing: list[str] = []
+    for pattern in group.converter.source_patterns:
+        keys = group.inputs.get(pattern, [])
+        indexed = []
+        for k, _ in keys:
+            digits = [int(p) for p in k.split(".") if p.isdigit()]
+            indexed.append((digits[-1] if digits else -1, k))
+        have = {i for i, _ in indexed}
+        template = _index_template(sorted(indexed)) or _index_template(
+            sorted((i, k) for ks in group.inputs.values() for i, k in
+                   [([int(p) for p in k.split(".") if p.isdigit()][-1], k) for k, _ in ks]))
+        if template is None:
+            continue
+        if not keys:  # a whole pattern absent: name it from another pattern's keys
+            other = next(iter(group.inputs.values()))[0][0]
+            missing.append(f"{pattern!r} (e.g. next to {other!r})")
+            continue
+        missing += [template.format(i) for i in range(expected) if i not in have]
+    if missing:
+        raise ConversionProblem(
+            f"{group.layer!r} is stacked from {expected} per-expert tensors of each of "
+            f"{list(group.converter.source_patterns)}; the checkpoint lacks {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}")
+
+
+def _opaque(group: _Group) -> dict[str, Node]:
+    """Shapes by running transformers' converter on ``meta`` tensors; reads run it for real."""
+    probe = {p: [(k, m) for k, m in keys] for p, keys in group.inputs.items()}
+
+    class _Meta:
+        def read(self, key: str, box: Any) -> torch.Tensor:
+            m = next(m for ks in probe.values() for k, m in ks if k == key)
+            return torch.empty(m.shape, dtype=m.dtype, device="meta")
+
+    out = group.run(_Meta())
+    cache: dict[int, dict[str, torch.Tensor]] = {}
+
+    class _Cached(_Group):
+        def run(self, source: Any) -> dict[str, torch.Tensor]:
+            got = cache.get(id(source))
+            if got is None:
+                cache.clear()
+                got = cache[id(source)] = _Group.run(self, source)
+            return got
+
+    shared = _Cached(group.converter, group.layer, group.model, group.inputs)
+    return {k: _Opaque(shared, k, tuple(v.shape), v.dtype) for k, v in out.items()}
+
+
+def hub_file_metas(model: nn.Module, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+                   ) -> dict[str, TensorMeta] | None:
+    """The checkpoint layout transformers' ``save_pretrained`` writes for ``model`` (key -> shape
+    and dtype), from the model's shapes alone; ``None`` when nothing is converted.
+
+    ``shapes`` maps each model key to save to its full shape and dtype.
+    """
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if not _mapping(model, legacy=False):
+        return None
+    meta_sd = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in shapes.items()}
+    reverted = revert_weight_conversion(cast(Any, model), meta_sd)
+    if reverted is meta_sd or set(reverted) == set(meta_sd):
+        return None
+    return {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in reverted.items()}
+
+
+def hub_save_nodes(model: nn.Module, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+                   ) -> dict[str, Node] | None:
+    """Model key -> node over ``save_pretrained``'s layout, for writing the Hub layout; ``None``
+    when the model's own keys are the Hub's.
+
+    Raises:
+        ConversionProblem: transformers' reverse mapping and its forward mapping disagree (a key or
+            a shape), which would write a checkpoint transformers cannot load back.
+    """
+    metas = hub_file_metas(model, shapes)
+    if metas is None:
+        return None
+    nodes = hub_nodes(model, metas, legacy=False) or {}
+    for key, (shape, _) in shapes.items():
+        node = nodes.get(key)
+        if node is None or tuple(node.shape) != tuple(shape):
+            raise ConversionProblem(
+                f"{key!r} (shape {list(shape)}): transformers' save layout for "
+                f"{type(model).__name__} does not convert back to it"
+                + (f" (it reads back as shape {list(node.shape)})" if node is not None else "")
+                + "; save with conversion=None (the model's own layout)")
+    return {k: nodes[k] for k in shapes}
+
