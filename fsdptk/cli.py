@@ -209,8 +209,35 @@ def _human(nbytes: int) -> str:
     raise AssertionError  # unreachable
 
 
+def _as_model(path: Path) -> list[TensorInfo]:
+    """A Hugging Face directory's tensors under the model's keys (through transformers' conversion)."""
+    import torch
+
+    from fsdptk._engine.sources import SAFETENSORS_DTYPES
+    from fsdptk.conversions import resolve_load
+
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        raise errors.CLIError(f"--as-model needs a Hugging Face checkpoint directory with config.json, got {path}")
+    model = _hf_plan_model(path, {}, None, False)
+    infos = _inspect_safetensors(_safetensors_files(path))
+    dtypes = {k: v for k, v in ((str(d).removeprefix("torch."), d) for d in SAFETENSORS_DTYPES.values())}
+    metas = {i["key"]: (tuple(i["shape"]), dtypes.get(i["dtype"], torch.float32)) for i in infos}
+    try:
+        nodes = resolve_load(model, "auto", metas)
+    except ValueError as e:
+        raise errors.CLIError(f"{path}: {e}") from e
+    if nodes is None:
+        return infos
+    nbytes = {i["key"]: i["nbytes"] for i in infos}
+    return [TensorInfo(key=k, dtype=_dtype_name(n.dtype), shape=list(n.shape),
+                       nbytes=sum(nbytes[f] for f in set(n.files())), sources=len(set(n.files())))
+            for k, n in nodes.items()]
+
+
 def _cmd_inspect(args: argparse.Namespace) -> int:
     fmt, infos = inspect_checkpoint(args.path)
+    if args.as_model:
+        infos, fmt = _as_model(Path(args.path)), "safetensors, as the model reads it"
     if args.filter:
         infos = [i for i in infos if fnmatch.fnmatchcase(i["key"], args.filter)]
     total = sum(i["nbytes"] for i in infos)
@@ -315,7 +342,26 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise errors.CLIError(str(e)) from e
     print(plan)
+    if hf:
+        _print_layout(Path(args.model), model)
     return 0
+
+
+def _print_layout(path: Path, model: Any) -> None:
+    """One line on how the directory's checkpoint maps onto the model when it is converted (the
+    Hub layout of a MoE model, docs/layouts.md); nothing when it holds the model's own keys."""
+    if not (path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.safetensors.index.json")))):
+        return
+    try:
+        infos = _as_model(path)
+    except errors.CLIError as e:
+        print(f"Checkpoint layout: cannot be read into the model ({e})")
+        return
+    converted = [i for i in infos if i.get("sources", 1) > 1]
+    if converted:
+        print(f"Checkpoint layout: Hub (transformers' conversion for {type(model).__name__}): "
+              f"{len(converted)} model tensors are read from {sum(i['sources'] for i in converted)} "
+              "checkpoint tensors; each rank reads only the ones its shards cover")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -335,16 +381,19 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if to is None:
         to = "safetensors" if (src.is_dir() and (src / ".metadata").is_file()) else "dcp"
     prefix = args.prefix
+    config = None if args.keep_keys else Path(args.config) if args.config else (
+        src if to == "dcp" and src.is_dir() and (src / "config.json").is_file() else None)
+    model = _hf_plan_model(config, {}, None, False) if config is not None else None
     try:
         if to == "safetensors":
             if not (src.is_dir() and (src / ".metadata").is_file()):
                 raise errors.CLIError(f"{src} is not a DCP checkpoint directory (no .metadata file)")
             out = ckpt.dcp_to_safetensors(src, dst, prefix=prefix or None,
-                                          max_shard_size=args.max_shard_size)
+                                          max_shard_size=args.max_shard_size, model=model)
         else:
             if not (src.suffix == ".safetensors" or (src.is_dir() and any(src.glob("*.safetensors")))):
                 raise errors.CLIError(f"{src} is neither a .safetensors file nor a directory of them")
-            out = ckpt.safetensors_to_dcp(src, dst, prefix=prefix)
+            out = ckpt.safetensors_to_dcp(src, dst, prefix=prefix, model=model)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError; FileNotFoundError an OSError
         raise errors.CLIError(f"{type(e).__name__}: {e}") from e
     print(f"wrote {to}: {out}")
@@ -406,6 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help=".safetensors file, directory of them, DCP directory, or .pt file")
     p.add_argument("--filter", metavar="GLOB", help="only keys matching GLOB")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--as-model", action="store_true",
+                   help="a Hugging Face directory (config.json): list the tensors under the model's "
+                        "keys, as fsdptk reads them through transformers' conversion for the model "
+                        "(per-expert MoE tensors as one fused tensor; docs/layouts.md)")
 
     p = sub.add_parser("convert", help="DCP directory <-> safetensors")
     p.add_argument("src", help="a DCP directory, or a .safetensors file / directory of them")
@@ -416,6 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DCP key prefix of the model's tensors: stripped when writing safetensors, "
                         "added when writing DCP ('model.' is what fsdptk.save_dcp writes; '' = all keys)")
     p.add_argument("--max-shard-size", default="5GB", help="safetensors bytes per file (e.g. 500MB)")
+    p.add_argument("--config", metavar="DIR", default=None,
+                   help="a Hugging Face directory whose config.json names the model: DCP holds the "
+                        "model's keys, safetensors the Hub layout (docs/layouts.md). Default: the "
+                        "safetensors directory's own config.json when it has one")
+    p.add_argument("--keep-keys", action="store_true",
+                   help="no layout conversion: the keys as the source holds them")
 
     p = sub.add_parser("demo", help="run examples/train_llama.py on local processes; "
                                     "other arguments go to the example",

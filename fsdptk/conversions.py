@@ -233,8 +233,11 @@ def resolve_load(model: Any, conversion: ConversionArg, metas: Mapping[str, Any]
 
     if not is_hf_model(model):
         return None
+    from fsdptk._engine.sources import TensorMeta
+
+    as_metas = {k: m if isinstance(m, TensorMeta) else TensorMeta(tuple(m[0]), m[1]) for k, m in metas.items()}
     try:
-        return hub_nodes(model, metas)
+        return hub_nodes(model, as_metas)
     except ConversionProblem as e:
         raise ConversionError(str(e)) from None
 

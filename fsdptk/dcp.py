@@ -36,6 +36,8 @@ from fsdptk import errors
 from fsdptk._core.calls import old_form
 from fsdptk._core.dist import all_gather_object, comm_group, has_process_group, is_rank0, run_agreed
 from fsdptk._core.dist import world as _world
+from fsdptk._engine.layouts import box_shape, full_box
+from fsdptk._engine.sources.convert import ConvertedSource, Unconverter
 from fsdptk._files.commit import dcp_backup, dcp_names, recover_dcp, swap_in_dcp
 from fsdptk._files.common import progress_bar, trim_heap
 from fsdptk._files.lock import DirectoryLock
@@ -44,6 +46,7 @@ from fsdptk._files.pending import wait_for_pending
 from fsdptk._files.safe_pickle import safe_load_planner, safe_reader
 from fsdptk._files.safetensors_io import SafetensorsCheckpoint, parse_size
 from fsdptk._files.safetensors_writer import ShardedWriter
+from fsdptk.conversions import resolve_load, resolve_save
 from fsdptk.errors import StateDictMismatchError
 
 __all__ = [
@@ -410,6 +413,7 @@ def dcp_to_safetensors(
     prefix: str | None = "model.",
     dtype: torch.dtype | None = None,
     progress: bool | None = None,
+    model: nn.Module | None = None,
 ) -> Path:
     """Convert a DCP checkpoint directory to a Hugging Face safetensors directory, offline.
 
@@ -425,6 +429,11 @@ def dcp_to_safetensors(
             state of :func:`save_dcp`); ``None``: every tensor, keys unchanged.
         dtype: cast floating tensors to this dtype.
         progress: tqdm bar of bytes (``None``: only on a terminal).
+        model: the model the DCP checkpoint holds (built on ``meta`` is enough, e.g.
+            :func:`fsdptk.hf.hf_meta_model` of the directory's ``config.json``): a transformers
+            model's tensors are then written in the layout its ``save_pretrained`` writes (the Hub
+            layout: per-expert MoE tensors), as :func:`fsdptk.save_safetensors` does
+            (docs/layouts.md). ``None``: the DCP keys as they are.
 
     Returns:
         Path: the index file, or the single ``model.safetensors``.
@@ -456,7 +465,17 @@ def dcp_to_safetensors(
     stored = {k: meta[v].properties.dtype for k, v in names.items()}
     out_dtype = {k: dtype if dtype is not None and d.is_floating_point else d for k, d in stored.items()}
     shapes = {k: tuple(meta[v].size) for k, v in names.items()}
+    nodes = None if model is None else resolve_save(model, "auto", {k: (shapes[k], stored[k]) for k in names})
+    if nodes is not None:
+        lacking = sorted(set(nodes) - set(names))
+        if lacking:
+            raise errors.CheckpointError(f"{str(src)!r} lacks tensors of the model: {lacking[:8]}")
     entries = [(k, out_dtype[k], shapes[k]) for k in names]
+    if nodes is not None:
+        entries = [(leaf, out_dtype[k], box_shape(box)) for k in names if k in nodes
+                   for leaf, box in nodes[k].leaves(full_box(nodes[k].shape))]
+        entries += [(k, out_dtype[k], shapes[k]) for k in names if k not in nodes]
+    split = Unconverter(nodes) if nodes is not None else None
     writer = ShardedWriter(dst, entries, max_shard_size=max_shard_size)
     nbytes = {k: torch.Size(shapes[k]).numel() * stored[k].itemsize for k in names}
     reader = safe_reader(src)
@@ -467,7 +486,11 @@ def dcp_to_safetensors(
                 _quiet_dcp(dcp.load, sd, storage_reader=reader,
                            planner=safe_load_planner(allow_partial_load=True), no_dist=True)
                 for k in batch:
-                    bar.update(writer.write(k, sd.pop(names[k]).to(out_dtype[k])))
+                    full = sd.pop(names[k]).to(out_dtype[k])
+                    pieces = split.feed(k, full) if split is not None and k in split.nodes else [(k, full)]
+                    for name, piece in pieces:
+                        bar.update(writer.write(name, piece.contiguous()))
+                    del full, pieces
                 trim_heap()
         return writer.commit()
     except BaseException:
@@ -475,7 +498,7 @@ def dcp_to_safetensors(
         raise
 
 
-def _lazy_planner(ckpt: SafetensorsCheckpoint, prefix: str, bar: Any) -> Any:
+def _lazy_planner(ckpt: Any, prefix: str, bar: Any) -> Any:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.planner import WriteItemType
 
@@ -498,6 +521,7 @@ def safetensors_to_dcp(
     *,
     prefix: str = "model.",
     progress: bool | None = None,
+    model: nn.Module | None = None,
 ) -> Path:
     """Convert a safetensors checkpoint (file or HF directory) to a DCP directory, offline.
 
@@ -510,6 +534,11 @@ def safetensors_to_dcp(
         dst: the DCP directory to write (replaced as a whole, crash-safe as :func:`save_dcp`).
         prefix: prepended to every key (``"model."`` matches :func:`save_dcp`; ``""`` for none).
         progress: tqdm bar of bytes (``None``: only on a terminal).
+        model: the model the checkpoint is for (built on ``meta`` is enough, e.g.
+            :func:`fsdptk.hf.hf_meta_model` of the directory): a transformers model's Hub layout
+            (per-expert MoE tensors) is then stored under the model's own keys (fused experts), as
+            :func:`fsdptk.load_safetensors` reads it, so the DCP checkpoint loads with
+            :func:`load_dcp` into that model (docs/layouts.md). ``None``: the file keys as they are.
 
     Returns:
         Path: ``dst``.
@@ -537,14 +566,21 @@ def safetensors_to_dcp(
     src, dst = Path(src), Path(dst)
     check_disjoint(src, dst)
     with SafetensorsCheckpoint(src) as ckpt:
-        meta_sd = {prefix + k: torch.empty(ckpt.shape(k), dtype=ckpt.dtype(k), device="meta")
-                   for k in ckpt}
+        view: Any = ckpt
+        if model is not None:
+            nodes = resolve_load(model, "auto", {k: (tuple(ckpt.shape(k)), ckpt.dtype(k)) for k in ckpt})
+            if nodes is not None:
+                view = ConvertedSource(ckpt, nodes)
+        meta_sd = {prefix + k: torch.empty(view.meta(k).shape if view is not ckpt else ckpt.shape(k),
+                                           dtype=view.meta(k).dtype if view is not ckpt else ckpt.dtype(k),
+                                           device="meta")
+                   for k in view}
         staging = _Staging(dst)
         try:
             with progress_bar(ckpt.total_size, f"convert {src.name}", progress) as bar:
                 _quiet_dcp(dcp.save, meta_sd,
                            storage_writer=dcp.FileSystemWriter(str(staging.stage), thread_count=1),
-                           planner=_lazy_planner(ckpt, prefix, bar), no_dist=True)
+                           planner=_lazy_planner(view, prefix, bar), no_dist=True)
         except BaseException:
             staging.abort()
             raise

@@ -23,7 +23,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from fsdptk import hf_tp_plan  # noqa: E402
-from fsdptk._plans.hf_tp import REFUSED, TRANSLATED, describe_hf_2d  # noqa: E402
+from fsdptk._plans.hf_tp import COMPOSITE, REFUSED, TRANSLATED, describe_hf_2d  # noqa: E402
 from fsdptk.predicates import no_split_modules  # noqa: E402
 
 _LR, _STEPS, _BATCH, _SEQ = 1e-3, 3, 4, 8
@@ -435,8 +435,8 @@ def test_every_transformers_style_string_is_translated_or_refused():
     from transformers.distributed import expert_parallel, tensor_parallel  # noqa: F401 (registers)
     from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
-    assert not set(TRANSLATED) & set(REFUSED)
-    assert set(TRANSLATED) | set(REFUSED) == set(ALL_PARALLEL_STYLES)
+    assert not set(TRANSLATED) & set(REFUSED) and not (set(TRANSLATED) | set(REFUSED)) & set(COMPOSITE)
+    assert set(TRANSLATED) | set(REFUSED) | set(COMPOSITE) == set(ALL_PARALLEL_STYLES)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ from fsdptk._plans.tp_styles import (
 )
 
 __all__ = ["translate_plan", "ColwiseKeepTied", "RowwiseKeepTied", "HFAttentionHeads",
-           "ReplicatedPartialGrad", "TRANSLATED", "REFUSED"]
+           "ReplicatedPartialGrad", "MoEExpertsTP", "TRANSLATED", "REFUSED", "COMPOSITE"]
 
 
 # ------------------------------------------------------------------------- string -> style
@@ -82,9 +82,11 @@ TRANSLATED: dict[str, tuple[type[nn.Module] | None, Callable[[], ParallelStyle] 
     "all_reduce": (None, lambda: PrepareModuleOutput(
         output_layouts=Partial(), desired_output_layouts=Replicate())),
     "replicate": (None, None),
-    # the experts module with its parameters' styles (packed_colwise / colwise / rowwise): built
-    # by _experts from the plan's parameter rules, not from this table
-    "moe_tp_experts": (None, None),
+}
+
+# strings translated with the plan's rules for the module's parameters (not from the table above)
+COMPOSITE: dict[str, str] = {
+    "moe_tp_experts": "MoEExpertsTP: fused experts, their parameters' packed_colwise / colwise / rowwise rules",
 }
 
 # strings transformers knows that have no DTensor module-style translation here, and why

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import copy
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from fsdptk._engine.sources import as_source, holds_value
+from fsdptk._engine.sources.base_keys import BaseView
 
 __all__ = [
     "BaseView",
@@ -223,68 +223,6 @@ def base_modules(model: nn.Module) -> dict[str, tuple[str, nn.Module]] | None:
         joined = ".".join(kept)
         out[joined[len(prefix):] if joined != root else ""] = (name, mod)
     return out
-
-
-class BaseView(Mapping[str, Any]):
-    """A base model's checkpoint (or full state dict) seen under a PEFT model's keys.
-
-    An engine source (:mod:`fsdptk._engine.sources`) over the caller's mapping: model key ``k`` is
-    read from ``k`` itself when the mapping holds it (a full state dict of the PEFT model), else
-    from its base key. Keys the mapping holds that stand for no model key are yielded unchanged
-    (reported as unexpected). Writes (the loaders' ``release_sd``) go to the underlying key.
-    """
-
-    def __init__(self, source: Mapping[str, Any], to_base: dict[str, str], adapters: set[str]) -> None:
-        self._src, self._to_base, self.adapters = source, to_base, adapters
-        self._from_base = {b: k for k, b in to_base.items()}
-        self._inner = as_source(source)
-
-    def _resolve(self, key: str) -> str:
-        if key in self._src:
-            return key
-        base = self._to_base.get(key)
-        return base if base is not None and base in self._src else key
-
-    def __getitem__(self, key: str) -> Any:
-        return self._src[self._resolve(key)]
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        self._src[self._resolve(key)] = value  # type: ignore[index]  # the loaders write (release_sd) only into a MutableMapping
-
-    def __delitem__(self, key: str) -> None:
-        del self._src[self._resolve(key)]  # type: ignore[attr-defined]  # as above: a MutableMapping
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and self._resolve(key) in self._src
-
-    def __iter__(self) -> Iterator[str]:
-        for k in self._src:
-            model_key = self._from_base.get(k)
-            if k in self._to_base or model_key is None or model_key in self._src:
-                yield k
-            else:
-                yield model_key
-
-    def __len__(self) -> int:
-        return len(self._src)
-
-    def holds(self, key: str) -> bool:
-        """Whether reading ``key`` allocates nothing (see :func:`holds_value`)."""
-        return holds_value(self._src, self._resolve(key))
-
-    @property
-    def private_reads(self) -> bool:
-        """The inner source's ``private_reads`` (the engine's source protocol)."""
-        return bool(getattr(self._inner, "private_reads", False))
-
-    def meta(self, key: str) -> Any:
-        return self._inner.meta(self._resolve(key))
-
-    def read(self, key: str, box: Any = None) -> torch.Tensor:
-        return self._inner.read(self._resolve(key), box)
-
-    def release(self, key: str) -> None:
-        self._inner.release(self._resolve(key))
 
 
 def base_view(model: nn.Module, source: Mapping[str, Any]) -> Mapping[str, Any]:

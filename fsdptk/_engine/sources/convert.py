@@ -326,7 +326,8 @@ class Concat(Op):
 
 @dataclass(frozen=True)
 class Chunk(Op):
-    """One tensor read as ``len(targets)`` equal chunks along ``dim`` (``torch.chunk``); inverse:
+    """One tensor read as ``len(targets)`` equal chunks along ``dim`` (``torch.chunk``: the last
+    may be smaller, and a dim too short for every target gives fewer chunks); inverse:
     concatenate. transformers' ``Chunk``.
 
     Example:
@@ -345,8 +346,10 @@ class Chunk(Op):
         length = node.shape[self.dim]
         step = math.ceil(length / len(targets)) if length else 0
         out: dict[str, list[Node]] = {}
-        for i, t in enumerate(targets):
+        for i, t in enumerate(targets):  # as torch.chunk: fewer chunks when the tail runs out
             lo, hi = min(i * step, length), min((i + 1) * step, length)
+            if lo >= hi and i:
+                break
             out[t] = [Part(node, self.dim, lo, hi)]
         return out
 
