@@ -3,7 +3,7 @@
 Public names are imported lazily (PEP 562), so ``import fsdptk`` stays fast and quiet and never
 imports torchao; the first attribute access loads the module that defines it.
 
-Example:
+Examples:
     >>> import fsdptk
     >>> fsdptk.get_distributed_backend("cpu")
     'gloo'

@@ -75,7 +75,7 @@ def apply_activation_checkpointing(
         ShardConditionError: when a condition raises (names it and the module; nothing changed).
         TypeError: ``model`` is not an ``nn.Module`` (names its type).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from fsdptk import apply_activation_checkpointing

@@ -52,6 +52,7 @@ from fsdptk._core.dist import has_process_group, is_rank0, run_agreed, using_gro
 from fsdptk._files.common import Rename
 from fsdptk._files.hf_config import stage_hf_config
 from fsdptk._files.pending import REGISTRY, wait_for_pending
+from fsdptk.conversions import ConversionArg
 from fsdptk.nf4 import from_inner_tensors, inner_tensors, is_nf4
 
 __all__ = ["PendingSave", "release_snapshot", "save_dcp_async", "save_safetensors_async"]
@@ -63,7 +64,7 @@ class PendingSave:
     """A save running in the background; returned by :func:`save_safetensors_async` and
     :func:`save_dcp_async` on every rank.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from fsdptk import save_safetensors_async
         >>> pending = save_safetensors_async(torch.nn.Linear(4, 2), tempfile.mkdtemp())
@@ -228,7 +229,7 @@ def release_snapshot() -> int:
     Returns:
         int: the bytes released (0 when nothing was kept).
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from fsdptk import release_snapshot, save_safetensors_async
         >>> _ = save_safetensors_async(torch.nn.Linear(4, 2, bias=False), tempfile.mkdtemp()).wait()
@@ -325,6 +326,7 @@ def save_safetensors_async(
     bucket_bytes: int | None = None,
     progress: bool | None = None,
     write_config: bool = True,
+    conversion: ConversionArg = "auto",
 ) -> PendingSave:
     """Start :func:`fsdptk.save_safetensors` in the background; return once the model is copied.
 
@@ -352,6 +354,10 @@ def save_safetensors_async(
         progress: as :func:`fsdptk.save_safetensors`.
         write_config: as :func:`fsdptk.save_safetensors` (staged during the call, renamed into
             place after the weights commit).
+        conversion: as :func:`fsdptk.save_safetensors`: ``"auto"`` writes a transformers
+            model in the layout its ``save_pretrained`` writes (per-expert MoE tensors), the
+            model tensors split back in the background as they are gathered; ``None`` the
+            model's own keys.
 
     Returns:
         PendingSave: ``wait()`` returns the index file or ``model.safetensors``.
@@ -363,7 +369,7 @@ def save_safetensors_async(
         Exception: every error of the save itself (a lock held by another writer, a full disk,
             a failed read, a dead rank) is raised by ``wait()``, on every rank.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from safetensors.torch import load_file
         >>> from fsdptk import save_safetensors_async
@@ -376,11 +382,14 @@ def save_safetensors_async(
         True
     """
     from fsdptk._files.save import plan_save, write_save
+    from fsdptk.conversions import save_layout
 
     started = time.monotonic()
     group = _begin()
+    nodes = run_agreed(lambda: save_layout(model, conversion))
     plan = plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
-                      rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress)
+                      rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress,
+                      conversion=nodes)
 
     def take() -> list[tuple[str, torch.Tensor]]:
         snap = _Snapshot()
@@ -442,7 +451,7 @@ def save_dcp_async(
         Exception: every error of the write itself (a lock held by another writer, an
             unwritable directory, a dead rank) is raised by ``wait()``, on every rank.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from fsdptk import save_dcp_async, load_dcp
         >>> model, d = torch.nn.Linear(3, 2), tempfile.mkdtemp() + "/step_10"

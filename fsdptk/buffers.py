@@ -80,7 +80,7 @@ def register_buffer_init(match: Match, fn: BufferInit) -> RemovableHandle:
         TypeError: ``fn`` is not callable, or ``match`` is neither a class, a tuple of classes nor
             a callable.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from fsdptk import register_buffer_init, materialize
@@ -124,7 +124,7 @@ def params_on_meta() -> Iterator[None]:
     Returns:
         A context manager; nothing is bound by ``with ... as``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk import params_on_meta
         >>> class Rotary(torch.nn.Module):
@@ -195,7 +195,7 @@ def materialize(
         ValueError: a non-persistent buffer on ``meta`` that no rule can compute; names every such
             buffer, why each rule did not apply, and the remedies; nothing is changed.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from fsdptk import materialize

@@ -37,7 +37,7 @@ from fsdptk._files.safetensors_io import (
     parse_size,
 )
 from fsdptk._files.save import plan_save, write_save
-from fsdptk.conversions import ConversionArg, resolve_load, resolve_save
+from fsdptk.conversions import ConversionArg, resolve_load, save_layout
 from fsdptk.dcp import (
     dcp_to_safetensors,
     load_dcp,
@@ -57,12 +57,6 @@ __all__ = [
 ]
 
 PathLike = str | os.PathLike[str]
-
-
-def save_conversion(model: nn.Module, conversion: ConversionArg) -> dict[str, Any] | None:
-    """Model key -> node over the layout a save of ``model`` writes (``None``: its own keys)."""
-    shapes = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict(keep_vars=True).items()}
-    return resolve_save(model, conversion, shapes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -210,7 +204,7 @@ def load_safetensors(
             ``unexpected_keys``), on every rank before the model changes.
         TypeError: ``shard_on_read`` is not a bool or None.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from fsdptk import save_safetensors, load_safetensors
         >>> d = tempfile.mkdtemp()
@@ -332,7 +326,7 @@ def save_safetensors(
         CheckpointLockedError: another writer is saving to ``path`` (a ``BlockingIOError`` naming
             its pid, host and start time), on every rank.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from safetensors.torch import load_file
         >>> from fsdptk import save_safetensors
@@ -343,7 +337,7 @@ def save_safetensors(
         ['bias', 'weight']
     """
     wait_for_pending()
-    nodes = run_agreed(lambda: save_conversion(model, conversion))
+    nodes = run_agreed(lambda: save_layout(model, conversion))
     plan = plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
                       rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress,
                       conversion=nodes)

@@ -14,7 +14,7 @@ Subcommands:
 Exit codes: 0 success, 1 a bad path or a failure with a message on stderr, 2 bad arguments
 (argparse's convention), otherwise the demo's own exit code.
 
-Example:
+Examples:
     .. code-block:: bash
 
         fsdptk plan examples.llama:tiny --world-size 4
@@ -172,7 +172,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> tuple[str, list[TensorIn
         CLIError: when the path does not exist, holds no recognisable checkpoint, or is corrupt
             (a header entry outside the file, unsafe DCP metadata, a missing data file, ...).
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from safetensors.torch import save_file
         >>> from fsdptk.cli import inspect_checkpoint
@@ -496,7 +496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         int: the exit code (0 ok, 1 bad path or failure, 2 bad arguments). Any error, expected or
         not, is one line on stderr (``fsdptk <command>: error: ...``), never a traceback.
 
-    Example:
+    Examples:
         >>> from fsdptk.cli import main
         >>> main(["inspect", "/does/not/exist"])
         1

@@ -18,7 +18,7 @@ Patterns are whole keys in which ``*`` stands for one dotted name segment (a lay
 name) and ``#`` for the index of tensors that a :class:`Stack` stacks (an expert number). A
 ``Convert`` target holds the same ``*`` segments as its sources, in the same order, and no ``#``.
 
-Example:
+Examples:
     >>> import torch
     >>> conv = Conversion(
     ...     Rename("model.layers.*.attn.wq", "layers.*.attention.q"),
@@ -79,7 +79,7 @@ class Rename:
     """Checkpoint key pattern ``source`` is model key pattern ``target`` (``*`` segments carried
     over in order). Its inverse is the swap.
 
-    Example:
+    Examples:
         >>> Rename("model.layers.*.mlp.up_proj.weight", "layers.*.mlp.w3.weight").source
         'model.layers.*.mlp.up_proj.weight'
     """
@@ -104,7 +104,7 @@ class Convert:
         ops: the operations, e.g. ``[Stack(0), Concat(1)]`` for per-expert gate and up
             projections into one fused ``gate_up`` tensor.
 
-    Example:
+    Examples:
         >>> Convert("layers.*.experts.#.w2", "layers.*.moe.w2", [Stack(0)]).targets
         ('layers.*.moe.w2',)
     """
@@ -135,7 +135,7 @@ class Conversion:
     A checkpoint key is read by the first :class:`Convert` one of whose sources matches it, else
     renamed by the first matching :class:`Rename`, else read as it is.
 
-    Example:
+    Examples:
         >>> Conversion(Rename("tok.weight", "embed.weight")).nodes({"tok.weight": ((4, 2), None)})["embed.weight"].key
         'tok.weight'
     """
@@ -262,3 +262,10 @@ def resolve_save(model: Any, conversion: ConversionArg, shapes: Mapping[str, tup
     except ConversionProblem as e:
         raise ConversionError(str(e)) from None
 
+
+
+def save_layout(model: Any, conversion: ConversionArg) -> dict[str, Node] | None:
+    """Model key -> node over the checkpoint layout a save of ``model`` writes (every key of
+    ``model.state_dict()``); ``None``: the model's own keys."""
+    shapes = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict(keep_vars=True).items()}
+    return resolve_save(model, conversion, shapes)

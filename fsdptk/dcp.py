@@ -212,7 +212,7 @@ def save_dcp(
             its pid, host and start time), on every rank.
         OSError: the directory cannot be written (on every rank).
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from fsdptk import save_dcp, load_dcp
         >>> d = tempfile.mkdtemp() + "/step_10"
@@ -333,7 +333,7 @@ def load_dcp(
         TypeError: ``model`` is not an ``nn.Module`` or ``path`` not a path, or the arguments are
             in the old order ``load_dcp(path, model, ...)`` (the message says how to call it).
 
-    Example:
+    Examples:
         See :func:`save_dcp`.
     """
     import torch.distributed.checkpoint as dcp
@@ -445,7 +445,7 @@ def dcp_to_safetensors(
         OSError: ``dst`` cannot be written or another writer holds its lock (nothing of the new
             checkpoint is left behind).
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from fsdptk import save_dcp, dcp_to_safetensors, SafetensorsCheckpoint
         >>> d = tempfile.mkdtemp()
@@ -548,7 +548,7 @@ def safetensors_to_dcp(
         FileNotFoundError, CheckpointError: ``src`` missing, corrupt or inconsistent.
         OSError: ``dst`` cannot be written, or another writer holds its lock.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from fsdptk import save_safetensors, safetensors_to_dcp, load_dcp
         >>> d = tempfile.mkdtemp()

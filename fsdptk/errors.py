@@ -16,7 +16,7 @@ The classes are also importable from the modules that raise them (``fsdptk.check
 ``fsdptk.sharding``, ``fsdptk.cli``, ...) and from ``fsdptk`` itself. This module imports nothing
 heavy (no torch).
 
-Example:
+Examples:
     >>> from fsdptk.errors import StateDictMismatchError
     >>> e = StateDictMismatchError.for_keys(["b"], ["c"], "Linear")
     >>> isinstance(e, RuntimeError), e.missing_keys, e.unexpected_keys

@@ -61,7 +61,7 @@ class ParallelDims:
             be inferred exactly, or when the product is not the world size; the message names every
             degree and the world size.
 
-    Example:
+    Examples:
         >>> from fsdptk import ParallelDims
         >>> dims = ParallelDims(dp_replicate=2, dp_shard=-1, tp=2, world_size=8)
         >>> (dims.dp_replicate, dims.dp_shard, dims.tp)
@@ -146,7 +146,7 @@ class ParallelDims:
             ValueError: when the process group's world size is not :attr:`world_size`, or when the
                 mesh was already built for another device type.
 
-        Example:
+        Examples:
             >>> dims = ParallelDims(dp_replicate=2, dp_shard=2)  # needs a 4-rank group; tests/test_mesh.py runs it  # doctest: +SKIP
             >>> mesh = dims.build_mesh("cuda")  # needs a 4-rank group; tests/test_mesh.py runs it  # doctest: +SKIP
             >>> mesh.mesh_dim_names  # needs a 4-rank group; tests/test_mesh.py runs it  # doctest: +SKIP

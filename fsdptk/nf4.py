@@ -4,7 +4,7 @@ fsdptk loads, shards and gathers NF4 parameters like any other; these are the he
 public for users who build NF4 models. torchao is imported lazily, on first use (never by
 :func:`is_nf4`). The implementation lives in ``fsdptk._core.nf4`` (the engine uses it too).
 
-Example:
+Examples:
     >>> import torch
     >>> from fsdptk.nf4 import to_nf4, is_nf4, dequantize
     >>> q = to_nf4(torch.randn(16, 64), 64, 8)

@@ -111,7 +111,7 @@ def get_optimizer_param_groups(model: nn.Module, optimizer: torch.optim.Optimize
         TypeError: ``model`` or ``optimizer`` has the wrong type (named), or the optimizer is
             passed as ``opt=`` (the old name; the message says how to call it).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk import get_optimizer_param_groups
         >>> model = torch.nn.Linear(2, 3)
@@ -157,7 +157,7 @@ def iter_full_optimizer_state(
         Exception: any rank's failure while gathering (or the caller's, passed in with
             ``iterator.throw(exc)``), on every rank, naming that rank.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk import iter_full_optimizer_state
         >>> model = torch.nn.Linear(2, 3)
@@ -259,7 +259,7 @@ def get_full_optimizer_state_dict(
         UserWarning: ``is_rank_zero`` disagrees with the global rank, or ``device`` is not the
             type the process group communicates on (once per call site).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk import get_full_optimizer_state_dict
         >>> model = torch.nn.Linear(2, 3)
@@ -325,7 +325,7 @@ def to_fqn_optimizer_state_dict(
         TypeError: the optimizer is passed as ``opt=`` (the old name; the message says how to call
             it).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk import to_fqn_optimizer_state_dict
         >>> model = torch.nn.Linear(2, 3)
@@ -496,7 +496,7 @@ def load_from_full_optimizer_state_dict(
         Exception: a failure on any rank while the state moves, on every rank, naming that rank;
             the optimizer is changed only once every rank has all of its state.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk import get_full_optimizer_state_dict, load_from_full_optimizer_state_dict
         >>> model = torch.nn.Linear(2, 3)

@@ -12,7 +12,7 @@ Names are "clean": :func:`fsdptk.shard_model`, :func:`fsdptk.describe_sharding` 
 ``_orig_mod.``, ``_fsdp_wrapped_module.``) before asking a predicate, and hand it the wrapped module,
 so the same predicate works before and after activation checkpointing or ``torch.compile``.
 
-Example:
+Examples:
     >>> from torch import nn
     >>> from fsdptk.predicates import by_type, layers, by_glob
     >>> cond = layers() | by_type(nn.Embedding) | by_glob("output*")
@@ -71,7 +71,7 @@ def get_shard_conditions(
         bool: whether ``name`` is in ``names_to_match`` or its last two components are
         ``layers`` and an integer.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> get_shard_conditions("decoder.layers.11", nn.Identity())
         True
@@ -96,7 +96,7 @@ def describe_predicate(pred: Callable[..., Any]) -> str:
         str: e.g. ``"by_type(Linear)"``, ``"get_shard_conditions"``,
         ``"partial(get_shard_conditions, names_to_match=['output'])"``.
 
-    Example:
+    Examples:
         >>> describe_predicate(get_shard_conditions)
         'get_shard_conditions'
     """
@@ -119,7 +119,7 @@ class Predicate:
         fn: the test itself.
         text: its ``repr`` (how a plan prints the rule).
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> p = Predicate(lambda name, m: name.endswith("proj"), "endswith('proj')")
         >>> (~p)("attn.out_proj", nn.Identity()), repr(~p)
@@ -223,7 +223,7 @@ def by_name(*names: str | Iterable[str]) -> Predicate:
         TypeError: when a name is not a string.
         ValueError: when no name is given.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> by_name("output")("output", nn.Identity()), by_name("output")("x.output", nn.Identity())
         (True, False)
@@ -247,7 +247,7 @@ def by_glob(*patterns: str | Iterable[str]) -> Predicate:
         TypeError: when a pattern is not a string.
         ValueError: when no pattern is given.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> by_glob("*.mlp")("layers.0.mlp", nn.Identity())
         True
@@ -269,7 +269,7 @@ def by_type(*types: type | Iterable[type]) -> Predicate:
         TypeError: when an entry is not an ``nn.Module`` subclass.
         ValueError: when no type is given.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> by_type(nn.Linear)("proj", nn.Linear(2, 2))
         True
@@ -296,7 +296,7 @@ def layers(*containers: str) -> Predicate:
     Returns:
         Predicate: ``layers('layers')``.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> layers()("decoder.layers.2", nn.Identity()), layers("blocks", "h")("h.0", nn.Identity())
         (True, True)
@@ -341,7 +341,7 @@ def no_split_modules(model: nn.Module) -> Predicate:
         ValueError: when the model declares no ``_no_split_modules``, or declares classes of which
             it holds no instance (both messages name the model's class).
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> class Block(nn.Linear): ...
         >>> class Net(nn.Sequential):
@@ -406,7 +406,7 @@ def any_of(*preds: ShardCondition) -> Predicate:
         TypeError: when an entry is not callable.
         ValueError: when no predicate is given.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> any_of(by_name("a"), by_name("b"))("b", nn.Identity())
         True
@@ -427,7 +427,7 @@ def all_of(*preds: ShardCondition) -> Predicate:
         TypeError: when an entry is not callable.
         ValueError: when no predicate is given.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> all_of(layers(), by_type(nn.Linear))("layers.0", nn.Identity())
         False
@@ -447,7 +447,7 @@ def not_(pred: ShardCondition) -> Predicate:
     Raises:
         TypeError: when ``pred`` is not callable.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> not_(by_type(nn.Linear))("x", nn.Linear(1, 1))
         False

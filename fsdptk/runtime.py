@@ -39,7 +39,7 @@ def is_distributed() -> bool:
     Raises:
         ValueError: ``WORLD_SIZE`` or ``RANK`` is set but not an integer (names both values).
 
-    Example:
+    Examples:
         >>> from fsdptk import is_distributed
         >>> is_distributed()  # a plain ``python`` process
         False
@@ -65,7 +65,7 @@ def get_world_size_and_rank() -> tuple[int, int]:
     Returns:
         tuple[int, int]: the world size and this process's global rank.
 
-    Example:
+    Examples:
         >>> from fsdptk import get_world_size_and_rank
         >>> world_size, rank = get_world_size_and_rank()
         >>> (world_size, rank)  # single process
@@ -89,7 +89,7 @@ def get_distributed_backend(device_type: str, offload_ops_to_cpu: bool = False) 
     Raises:
         ValueError: when the device type is not known.
 
-    Example:
+    Examples:
         >>> from fsdptk import get_distributed_backend
         >>> get_distributed_backend("cuda")
         'nccl'
@@ -118,7 +118,7 @@ def set_torch_num_threads() -> int:
     Returns:
         int: the number of threads set (at least 1).
 
-    Example:
+    Examples:
         >>> from fsdptk import set_torch_num_threads
         >>> n = set_torch_num_threads()
         >>> n >= 1
@@ -146,7 +146,7 @@ def validate_no_params_on_meta_device(model: nn.Module) -> None:
             wording, so its tests' ``match="Unexpected param or buffer"`` holds) for the first
             parameter, then buffer, on meta; the rest names its kind, shape and dtype.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk import validate_no_params_on_meta_device
         >>> validate_no_params_on_meta_device(torch.nn.Linear(2, 2))  # fine on CPU

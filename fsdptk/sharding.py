@@ -185,7 +185,7 @@ def shard_model(
             process group. In every error case the model is left unchanged.
         TypeError: on arguments of the wrong type.
 
-    Example:
+    Examples:
         >>> from fsdptk import shard_model
         >>> from fsdptk.predicates import layers, by_name
         >>> plan = shard_model(model, [layers(), by_name("tok_embeddings", "output")],  # a process group: tests/test_sharding.py  # doctest: +SKIP

@@ -135,7 +135,7 @@ def load_from_full_model_state_dict(
             ``broadcast_from_rank0``, a replicated (non-DTensor) entry that differs between ranks
             is a ValueError naming the key (a checksum in the engine's per-bucket agreement).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk import load_from_full_model_state_dict
         >>> with torch.device("meta"):
@@ -259,7 +259,7 @@ def iter_full_state_dict(
             ``bucket_bytes`` is not a positive int.
         Exception: any rank's failure while gathering, on every rank, naming that rank.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk import iter_full_state_dict
         >>> [k for bucket in iter_full_state_dict(torch.nn.Linear(2, 3)) for k, _ in bucket]
@@ -332,7 +332,7 @@ def gather_cpu_state_dict(
         UserWarning: ``is_rank_zero`` disagrees with the global rank, or ``device`` is not the
             type the process group communicates on (once per call site).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk import gather_cpu_state_dict
         >>> sorted(gather_cpu_state_dict(torch.nn.Linear(2, 3), is_rank_zero=True))

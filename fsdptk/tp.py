@@ -194,7 +194,7 @@ def prepare_mha_for_tp(
             (4)."``); if no attention module is found; if a selected module was already
             prepared by an earlier call (names the module, the TP size and the counts).
 
-    Example:
+    Examples:
         >>> mesh = init_device_mesh("cuda", (2, 4), mesh_dim_names=("dp_shard", "tp"))  # needs a TP process group; tests/test_tp.py runs it  # doctest: +SKIP
         >>> prepare_mha_for_tp(model, mesh["tp"])  # heads 32 -> 8, kv heads 8 -> 2; a TP group (tests/test_tp.py)  # doctest: +SKIP
         >>> prepare_mha_for_tp(hf_model, mesh["tp"],  # needs a TP process group; tests/test_tp.py runs it  # doctest: +SKIP
@@ -272,7 +272,7 @@ def apply_tp(
             :class:`~fsdptk.tp_plan.ReplicatedKVColwise` that cannot split it). All checked
             before any module changes: on error the model is untouched.
 
-    Example:
+    Examples:
         >>> apply_tp(model, mesh["tp"], llama_tp_plan(model, sequence_parallel=True))  # needs a TP process group; tests/test_tp.py runs it  # doctest: +SKIP
     """
     tp_size = _tp_size(tp_mesh)

@@ -83,7 +83,7 @@ def build_tp_plan(
         ValueError: if a rule matches no module (naming the rule and some FQNs) and
             ``allow_unmatched`` is False.
 
-    Example:
+    Examples:
         >>> plan = build_tp_plan(model, [("*.wq", ColwiseParallel()), ("*.wo", RowwiseParallel())])  # needs a TP process group; tests/test_tp.py runs it  # doctest: +SKIP
         >>> apply_tp(model, mesh["tp"], plan)  # needs a TP process group; tests/test_tp.py runs it  # doctest: +SKIP
     """
@@ -169,7 +169,7 @@ def llama_tp_plan(
             requested) matches no module, if the embedding and output share a weight, or if
             ``sequence_parallel`` is asked without ``embeddings_and_output``.
 
-    Example:
+    Examples:
         >>> plan = llama_tp_plan(model, sequence_parallel=True)  # needs a TP process group; tests/test_tp.py runs it  # doctest: +SKIP
         >>> plan["layers.0.attention.wq"]  # needs a TP process group; tests/test_tp.py runs it  # doctest: +SKIP
         ColwiseParallel(...)

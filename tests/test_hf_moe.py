@@ -255,3 +255,34 @@ def test_tensors_that_do_not_stack_name_both_shapes(world, reference, tmp_path):
     _rewrite(ref["src"], tmp_path / "ckpt", change)
     results = world(2).run(_error, str(tmp_path / "ckpt"))
     _same_on_every_rank(results, "ConversionError", bad, "[64, 31]", "[64, 32]")
+
+
+def _rank0_reads_async_save_and_transformers(src: str, out: str) -> dict:
+    import importlib.util
+
+    import torch.distributed as dist
+
+    from fsdptk import save_safetensors_async
+
+    model = from_pretrained(src, shard_on_read=False)  # rank 0 reads through the conversion, sends
+    ours = _logits(model, _batch())
+    save_safetensors_async(model, out).wait()  # the Hub layout, split in the background
+    theirs = None
+    if importlib.util.find_spec("accelerate") is not None:
+        from transformers.distributed import DistributedConfig
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            src, distributed_config=DistributedConfig(fsdp_size=dist.get_world_size()))
+        theirs = _logits(hf, _batch())
+    return {"ours": ours, "theirs": theirs}
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_rank0_read_background_save_and_transformers_distributed_load(world, reference, tmp_path, family):
+    ref = reference(family)
+    for r in world(2).run(_rank0_reads_async_save_and_transformers, str(ref["src"]), str(tmp_path)):
+        assert (r["ours"] - ref["logits"]).abs().max().item() <= _ATOL
+        if r["theirs"] is not None:  # transformers' own distributed load of the same directory
+            assert (r["ours"] - r["theirs"]).abs().max().item() <= _ATOL
+    hub, saved = _files(ref["src"]), _files(tmp_path)
+    assert sorted(saved) == sorted(hub) and all(torch.equal(saved[k], hub[k]) for k in hub)

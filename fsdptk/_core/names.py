@@ -30,7 +30,7 @@ def clean_fqn(name: str) -> str:
     Returns:
         str: the name the user's unwrapped model would have.
 
-    Example:
+    Examples:
         >>> clean_fqn("layers.0._checkpoint_wrapped_module.attn.wq.weight")
         'layers.0.attn.wq.weight'
     """
@@ -51,7 +51,7 @@ def tensor_groups(model: nn.Module) -> list[tuple[torch.Tensor, list[str]]]:
     Returns:
         list[tuple[torch.Tensor, list[str]]]: one group per distinct tensor object.
 
-    Example:
+    Examples:
         >>> import torch
         >>> m = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
         >>> m.b.weight = m.a.weight
@@ -92,7 +92,7 @@ def param_owners(model: nn.Module, *, remove_duplicate: bool = True,
         list: ``(parameter, [(module fqn, attribute, module), ...])``, one entry per parameter
         object; the FQNs are raw (pass them through :func:`clean_fqn` for the user's names).
 
-    Example:
+    Examples:
         >>> import torch
         >>> m = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
         >>> m.b.weight = m.a.weight

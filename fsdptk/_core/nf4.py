@@ -12,7 +12,7 @@ original dtype. Both torchao layouts are supported: ``torchao.quantization`` (0.
 
 Detection (:func:`is_nf4`) never imports torchao, so a model without NF4 never loads it.
 
-Example:
+Examples:
     >>> import torch
     >>> from fsdptk.nf4 import to_nf4, is_nf4, dequantize
     >>> q = to_nf4(torch.randn(16, 64, dtype=torch.bfloat16), block_size=64, scaler_block_size=8)
@@ -59,7 +59,7 @@ def is_nf4(tensor: Any) -> bool:
     Returns:
         bool: whether it is an ``NF4Tensor``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk.nf4 import is_nf4
         >>> is_nf4(torch.zeros(2))
@@ -87,7 +87,7 @@ def to_nf4(tensor: torch.Tensor, block_size: int = 64, scaler_block_size: int = 
     Raises:
         ImportError: when torchao is not installed.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk.nf4 import to_nf4
         >>> to_nf4(torch.randn(16, 64), 64, 8).shape
@@ -105,7 +105,7 @@ def nf4_block_sizes(tensor: torch.Tensor) -> tuple[int, int]:
     Returns:
         tuple[int, int]: the block sizes it was quantised with.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk.nf4 import to_nf4, nf4_block_sizes
         >>> nf4_block_sizes(to_nf4(torch.randn(16, 64), 64, 8))
@@ -128,7 +128,7 @@ def quantize_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: when torchao rejects the shape for these block sizes (names both).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk.nf4 import to_nf4, quantize_like
         >>> like = to_nf4(torch.zeros(16, 64, dtype=torch.bfloat16), 64, 8)
@@ -154,7 +154,7 @@ def dequantize(tensor: torch.Tensor) -> torch.Tensor:
     Returns:
         torch.Tensor: a plain tensor.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk.nf4 import to_nf4, dequantize
         >>> dequantize(to_nf4(torch.randn(16, 64), 64, 8)).shape
@@ -177,7 +177,7 @@ def chunk(tensor: torch.Tensor, path: Sequence[tuple[int, int]]) -> torch.Tensor
     Raises:
         ValueError: when torchao cannot split the tensor evenly (names shape and chunks).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk.nf4 import to_nf4, chunk
         >>> chunk(to_nf4(torch.randn(16, 64), 64, 8), [(2, 1)]).shape
@@ -209,7 +209,7 @@ def inner_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     Returns:
         list[torch.Tensor]: its inner tensors (quantised data, scalers, ...).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk.nf4 import to_nf4, inner_tensors
         >>> [t.dtype for t in inner_tensors(to_nf4(torch.randn(16, 64), 64, 8))][0]
@@ -229,7 +229,7 @@ def from_inner_tensors(parts: Sequence[torch.Tensor], like: torch.Tensor) -> tor
     Returns:
         torch.Tensor: the ``NF4Tensor`` on the parts' device.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk.nf4 import to_nf4, inner_tensors, from_inner_tensors, dequantize
         >>> q = to_nf4(torch.randn(16, 64), 64, 8)

@@ -45,7 +45,7 @@ def bucket_size(bucket_bytes: int | None) -> int:
     Raises:
         ValueError: ``bucket_bytes`` is not a positive int (names the value).
 
-    Example:
+    Examples:
         >>> bucket_size(None) == DEFAULT_BUCKET_BYTES == 16 * 2**20, bucket_size(1024)
         (True, 1024)
     """

@@ -107,7 +107,7 @@ class LoadPlan:
         Raises:
             ValueError: a target is not a plain tensor (a DTensor or NF4 needs :func:`agree`).
 
-        Example:
+        Examples:
             >>> import torch
             >>> t = torch.empty(3, device="meta")
             >>> LoadPlan.replicated([("b", t)], {"b": TensorMeta((3,), torch.float32)}).keys
@@ -132,7 +132,7 @@ class LoadPlan:
         made over the targets, and each ``(name, key)`` of ``rows`` then takes ``key``'s layout on
         every rank, and ``metas[name]`` as its source's shape and dtype.
 
-        Example:
+        Examples:
             >>> import torch
             >>> plan = agree([("w", torch.empty(2, 3, device="meta"))], {"w": torch.ones(2, 3)})
             >>> plan.moving_like([("w.m", "w"), ("w.v", "w")], {"w.m": plan.metas["w"], "w.v": plan.metas["w"]}).keys
@@ -173,7 +173,7 @@ def check_source(entries: Sequence[tuple[str, Layout]], source: Mapping[str, Any
     exchanges this verdict itself; a caller that must exchange it in its own ``extra`` (because
     only the reading ranks know which tensors there are) calls it directly.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk._engine.layouts import layout_of
         >>> check_source([("w", layout_of(torch.empty(2, 3)))], {"w": torch.ones(3, 2)}, True).problems
@@ -220,7 +220,7 @@ def merge_checks(checks: Sequence[SourceCheck | None], src_rank0: bool,
         ValueError: shape or dtype problems (keys, shapes, dtypes, ranks), or sources that differ.
         TypeError: when the only problems are non-tensor values (key and type).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk._engine.layouts import layout_of
         >>> merge_checks([check_source([("w", layout_of(torch.empty(2)))], {"w": torch.ones(2)}, True)], True)[0]
@@ -292,7 +292,7 @@ def agree(
         TypeError: on every rank, when the only problems are non-tensor values (key and type).
         Exception: ``failed`` (the lowest failing rank's), on every rank.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk._engine import agree
         >>> plan = agree([("w", torch.empty(2, 3, device="meta"))], {"w": torch.ones(2, 3), "x": torch.ones(1)})

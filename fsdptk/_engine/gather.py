@@ -106,7 +106,7 @@ def collect(
         RuntimeError: the communication itself failed (a rank died), naming the operation.
         Exception: ``failed`` (the lowest failing rank's), on every rank.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk._engine import collect
         >>> [[(k, v.shape) for k, v in b] for b in collect([("w", torch.ones(2, 3))])]

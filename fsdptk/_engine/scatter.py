@@ -87,7 +87,7 @@ def distribute(
             the lowest failing rank's error, named after that rank and the key it was reading.
         RuntimeError: the communication itself failed (a rank died), naming the operation.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk._engine import agree, distribute
         >>> src = {"w": torch.ones(2, 3)}

@@ -34,7 +34,7 @@ def hf_config(model: nn.Module) -> Any | None:
         The object at ``model.config`` when it can be saved as an HF config (it has
         ``save_pretrained`` or ``to_json_file``), else ``None``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fsdptk.hf import hf_config
         >>> hf_config(torch.nn.Linear(2, 2)) is None
@@ -104,7 +104,7 @@ def stage_files(directory: PathLike, write: Callable[[Path], None]) -> StagedCon
     the files it writes are renamed into ``directory`` by :meth:`StagedConfig.commit`. A failing
     ``write`` leaves nothing behind.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> d = Path(tempfile.mkdtemp())
         >>> staged = stage_files(d, lambda stage: (stage / "a.json").write_text("{}"))

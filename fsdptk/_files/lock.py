@@ -70,7 +70,7 @@ class DirectoryLock:
         lock_file: where the lock file lives (its directory must exist when acquiring).
         target: the checkpoint the lock protects (named in errors).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from pathlib import Path
         >>> d = Path(tempfile.mkdtemp())

@@ -51,7 +51,7 @@ def parse_size(size: int | str) -> int:
     Raises:
         ValueError: for a non-positive size or an unknown unit.
 
-    Example:
+    Examples:
         >>> parse_size("5GB"), parse_size("1MiB"), parse_size(10)
         (5000000000, 1048576, 10)
     """
@@ -180,7 +180,7 @@ class SafetensorsCheckpoint(Mapping[str, torch.Tensor]):
             does not hold or a file outside its directory (``../x``, an absolute path), a file that
             is not a regular file, a key in two files, or shard files left without their index.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from safetensors.torch import save_file
         >>> d = tempfile.mkdtemp()

@@ -401,7 +401,7 @@ def describe_hf_2d(model: nn.Module, shard_conditions: Any, *, world_size: int, 
         ValueError: ``tp`` does not divide ``world_size``, the plan has no translation, or the
             head counts do not split over ``tp`` ranks.
 
-    Example:
+    Examples:
         >>> model = hf_meta_model("ckpt")  # needs an HF checkpoint; tests/test_hf_tp.py runs it  # doctest: +SKIP
         >>> plan = describe_hf_2d(model, no_split_modules(model), world_size=8, tp=2)  # needs an HF checkpoint; tests/test_hf_tp.py runs it  # doctest: +SKIP
         >>> plan.total_bytes_per_rank  # needs an HF checkpoint; tests/test_hf_tp.py runs it  # doctest: +SKIP

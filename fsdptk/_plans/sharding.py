@@ -419,7 +419,7 @@ def describe_sharding(
         ShardConditionError: when a condition raises (names the condition and the module).
         TypeError: when ``model`` or ``shard_conditions`` have the wrong type.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from fsdptk import describe_sharding

@@ -25,7 +25,7 @@ files are symlinks into ``blobs/``).
   :class:`fsdptk.ParallelDims`, :func:`fsdptk.apply_tp`, :func:`fsdptk.apply_activation_checkpointing`,
   :func:`fsdptk.shard_model` and :func:`fsdptk.load_safetensors`.
 
-Example:
+Examples:
     >>> from transformers import LlamaConfig
     >>> from fsdptk.hf import hf_meta_model, no_split_modules
     >>> cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

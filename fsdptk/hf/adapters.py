@@ -60,7 +60,7 @@ def save_adapter(
         OSError: the directory cannot be written (on every rank, nothing of the new adapter left).
         CheckpointLockedError: another writer is saving to ``path``, on every rank.
 
-    Example:
+    Examples:
         On every rank, after ``shard_model`` and training (the whole loop runs in docs/hf.md)::
 
             save_adapter(model, "out/adapter")   # adapter_model.safetensors, adapter_config.json
@@ -142,7 +142,7 @@ def load_adapter(
         StateDictMismatchError: ``strict=True`` and keys missing or unexpected; on every rank,
             before the model changes.
 
-    Example:
+    Examples:
         Resuming, on every rank (the whole loop runs in docs/hf.md)::
 
             model = get_peft_model(meta_base, lora_config)

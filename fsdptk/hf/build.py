@@ -51,7 +51,7 @@ def save_hf_config(model: nn.Module, path: PathLike, *, dtype: torch.dtype | Non
         ValueError: transformers' own save-time validation of the config fails.
         OSError: the directory cannot be written.
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> model = hf_meta_model(LlamaConfig(hidden_size=64, intermediate_size=128,
@@ -112,7 +112,7 @@ def hf_meta_model(
             overrides given with a config object.
         ImportError: transformers is not installed.
 
-    Example:
+    Examples:
         >>> from transformers import Qwen2Config
         >>> model = hf_meta_model(Qwen2Config(hidden_size=64, intermediate_size=128,
         ...     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
@@ -186,7 +186,7 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str
             around its blocks; on a PEFT model, if a planned layer's tuner is not plain LoRA on
             ``nn.Linear`` (DoRA included) or ``sequence_parallel`` is asked.
 
-    Example:
+    Examples:
         >>> dims = ParallelDims(dp_shard=2, tp=2)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
         >>> mesh = dims.build_mesh("cuda")  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
         >>> plan = hf_tp_plan(model)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP

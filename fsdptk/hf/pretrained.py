@@ -213,7 +213,7 @@ def from_pretrained(
         StateDictMismatchError: the files' keys are not the model's (strict load).
         TypeError: an argument of the wrong type.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from transformers import AutoModelForCausalLM, LlamaConfig
         >>> from fsdptk.hf import from_pretrained

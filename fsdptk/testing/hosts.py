@@ -125,7 +125,7 @@ def link_stats(ifname: str = IFNAME, netns: str | None = None) -> LinkStats:
     Returns:
         LinkStats: the counters now (cumulative since the interface was created).
 
-    Example:
+    Examples:
         >>> stats = link_stats("lo")
         >>> stats.tx_bytes >= 0
         True
@@ -150,7 +150,7 @@ def hosts_unavailable(*, shaping: bool = True) -> str | None:
     Returns:
         ``None``, or a sentence naming what is missing (root, ``ip``, ``tc``, network namespaces).
 
-    Example:
+    Examples:
         >>> reason = hosts_unavailable()
         >>> reason is None or isinstance(reason, str)
         True
@@ -350,7 +350,7 @@ class Hosts:
             or a ``netem`` qdisc (the message quotes the command and its error). Anything created
             before the failure is deleted again.
 
-    Example:
+    Examples:
         >>> from fsdptk.testing.hosts import Hosts
         >>> with Hosts(2, rate="1gbit") as hosts:  # root; tests/test_hosts.py runs it  # doctest: +SKIP
         ...     runs = hosts.torchrun(["train.py"], nproc_per_node=2, timeout=300)

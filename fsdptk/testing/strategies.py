@@ -11,7 +11,7 @@ divisible by the world size); float32 / bfloat16 / float16 parameters; persisten
 non-persistent buffers, integer buffers; and optionally a tied embedding / output projection pair.
 The modules are for state round trips: their ``forward`` is not meant to compose.
 
-Example:
+Examples:
     >>> from hypothesis import given
     >>> from fsdptk.testing.strategies import module_specs, build_module, random_state_dict
     >>> @given(module_specs())

@@ -256,7 +256,7 @@ class World:
             visible than ``world_size`` (the message names both counts); raised before any
             process starts.
 
-    Example:
+    Examples:
         >>> import torch.distributed as dist
         >>> from fsdptk.testing import World
         >>> def rank_times_ten():
@@ -398,7 +398,7 @@ class World:
             RemoteError: the lowest failed rank's error (``per_rank`` holds every rank's outcome).
             WorldTimeout: when some rank did not answer in time.
 
-        Example:
+        Examples:
             >>> import torch, torch.distributed as dist
             >>> def total():
             ...     t = torch.ones(1) * (dist.get_rank() + 1)

@@ -128,7 +128,7 @@ class ShapesSource:
     """Shapes and dtypes only, no data: a :class:`Source` for agreeing on a plan whose tensors are
     read from another source later (an optimizer's state is agreed over its parameters' shapes).
 
-    Example:
+    Examples:
         >>> import torch
         >>> ShapesSource({"w": TensorMeta((2, 3), torch.float32)}).meta("w").shape
         (2, 3)
@@ -162,7 +162,7 @@ def unreadable(key: str, value: torch.Tensor) -> str | None:
     a sparse (or other non-strided) tensor, and a tensor on a device this process cannot copy from
     (neither the CPU nor its accelerator, where the transport's pieces are made).
 
-    Example:
+    Examples:
         >>> import torch
         >>> unreadable("w", torch.ones(2)) is None
         True
@@ -188,7 +188,7 @@ def holds_value(mapping: Any, key: str) -> bool:
     nothing): true of a plain ``dict``; a Mapping that knows says so with a ``holds(key)``
     method; any other Mapping may build the value on access (e.g. from a file), so it does not.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from types import MappingProxyType
         >>> holds_value({"w": torch.ones(1)}, "w"), holds_value(MappingProxyType({"w": torch.ones(1)}), "w")

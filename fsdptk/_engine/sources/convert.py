@@ -288,7 +288,7 @@ class Stack(Op):
     """Stack each pattern's list of tensors (one per index: per-expert) along new dim ``dim``;
     inverse: unbind. transformers' ``MergeModulelist``.
 
-    Example:
+    Examples:
         >>> Stack(0)
         Stack(dim=0)
     """
@@ -309,7 +309,7 @@ class Concat(Op):
     """Concatenate every pattern's tensors, in the order the sources are declared, along ``dim``
     into the one target; inverse: split at the same sizes. transformers' ``Concatenate``.
 
-    Example:
+    Examples:
         >>> Concat(1)
         Concat(dim=1)
     """
@@ -330,7 +330,7 @@ class Chunk(Op):
     may be smaller, and a dim too short for every target gives fewer chunks); inverse:
     concatenate. transformers' ``Chunk``.
 
-    Example:
+    Examples:
         >>> Chunk(0)
         Chunk(dim=0)
     """
@@ -359,7 +359,7 @@ class Transpose(Op):
     """Swap dims ``dim0`` and ``dim1`` of the (one) tensor; inverse: the same swap. transformers'
     ``Transpose``.
 
-    Example:
+    Examples:
         >>> Transpose(1, 2)
         Transpose(dim0=1, dim1=2)
     """
@@ -385,7 +385,7 @@ class Transform(Op):
     checkpoint dtype to the model's (default: unchanged). A box reads the whole checkpoint tensor
     unless ``box_wise`` (the hook maps every box's piece to the same box's piece).
 
-    Example:
+    Examples:
         >>> neg = Transform(lambda t: -t, lambda t: -t, box_wise=True)
         >>> neg.box_wise
         True
@@ -417,7 +417,7 @@ def apply_ops(ops: Sequence[Op], inputs: Mapping[str, list[Node]], sources: Sequ
               targets: Sequence[str]) -> dict[str, Node]:
     """Run ``ops`` over ``{source pattern: [nodes in index order]}``: ``{target pattern: node}``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> leaves = {p: [Leaf(f"e.{i}.{p}", (2, 3), torch.float32) for i in range(4)] for p in ("g", "u")}
         >>> out = apply_ops([Stack(0), Concat(1)], leaves, ["g", "u"], ["gate_up"])
@@ -521,7 +521,7 @@ class Unconverter:
     ``(checkpoint key, tensor)`` pairs that are complete (a :class:`Chunk`'s checkpoint tensor
     once every model tensor read from it has been fed).
 
-    Example:
+    Examples:
         >>> import torch
         >>> leaves = {"g": [Leaf(f"e.{i}.g", (2, 3), torch.float32) for i in range(2)]}
         >>> nodes = {"w": apply_ops([Stack(0)], leaves, ["g"], ["w"])["w"]}
