@@ -70,6 +70,22 @@ def llama_config(size_gb: float) -> dict[str, Any]:
                 tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
+def qwen3_moe_config(size_gb: float) -> dict[str, Any]:
+    """``Qwen3MoeConfig`` arguments of a Qwen3-MoE-shaped model with about ``size_gb`` GB of fp32
+    parameters: 16 experts of intermediate size 512 per layer (2 routed per token), width 1024,
+    heads of 64 (16 query, 4 KV), q/k norms; layers fill the size (at least 2)."""
+    h, experts, mi, vocab, heads, kv, hd = 1024, 16, 512, 32000, 16, 4, 64
+    per_layer = (h * heads * hd * 2 + 2 * h * kv * hd + experts * h + 3 * experts * h * mi + 2 * h + 2 * hd)
+    layers = max(2, round((size_gb * 1e9 / 4 - 2 * vocab * h - h) / per_layer))
+    return dict(vocab_size=vocab, hidden_size=h, intermediate_size=4 * h, moe_intermediate_size=mi,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd,
+                num_experts=experts, num_experts_per_tok=2, max_position_embeddings=512,
+                tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+MODELS = {"llama": ("LlamaConfig", llama_config), "qwen3_moe": ("Qwen3MoeConfig", qwen3_moe_config)}
+
+
 def _param_bytes(cfg: dict[str, Any]) -> int:
     h, i, v, n = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
     kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
@@ -109,28 +125,30 @@ def _mem_available() -> int:
     return 1 << 62
 
 
-def _prepare(size_gb: float, work: Path, timeout: float) -> tuple[Path, dict[str, Any]]:
-    """The checkpoint of ``size_gb`` (written once, single process, ``save_pretrained``)."""
-    cfg = llama_config(size_gb)
-    ckpt = work / f"llama-{size_gb:g}GB"
+def _prepare(size_gb: float, work: Path, timeout: float, model: str = "llama") -> tuple[Path, dict[str, Any]]:
+    """The checkpoint of ``size_gb`` (written once, single process, ``save_pretrained``: a MoE
+    model's in the Hub layout, one tensor per expert)."""
+    cls, make = MODELS[model]
+    cfg = make(size_gb)
+    ckpt = work / f"{model}-{size_gb:g}GB"
     meta_file = ckpt / "bench_meta.json"
     if meta_file.is_file():
         meta = json.loads(meta_file.read_text())
         if meta.get("cfg") == cfg and meta.get("generator") == _GENERATOR:
             return ckpt, meta
     shutil.rmtree(ckpt, ignore_errors=True)
-    print(f"[hf] writing the {_param_bytes(cfg) / 1e9:.3f} GB checkpoint {ckpt}", flush=True)
+    print(f"[hf] writing the {model} checkpoint of ~{size_gb:g} GB {ckpt}", flush=True)
     code = ("import json, sys, torch, transformers\n"
             "cfg, out = json.loads(sys.argv[1]), sys.argv[2]\n"
             "torch.manual_seed(0)\n"
-            "model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**cfg))\n"
+            f"model = transformers.AutoModelForCausalLM.from_config(transformers.{cls}(**cfg))\n"
             "model.save_pretrained(out)\n"
             "print(json.dumps({'params': sum(p.numel() for p in model.parameters())}))\n")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(cfg), str(ckpt)], cwd=REPO, check=True,
                           capture_output=True, text=True, timeout=timeout)
     params = json.loads(done.stdout.strip().splitlines()[-1])["params"]
     files = sum(p.stat().st_size for p in ckpt.glob("*.safetensors"))
-    meta = {"cfg": cfg, "generator": _GENERATOR, "model_bytes": 4 * params, "file_bytes": files}
+    meta = {"cfg": cfg, "generator": _GENERATOR, "model_bytes": 4 * params, "file_bytes": files, "model": model}
     meta_file.write_text(json.dumps(meta, indent=1) + "\n")
     return ckpt, meta
 
@@ -171,28 +189,48 @@ def check_pair(dirs: dict[str, Path], source: Path) -> dict[str, Any]:
 
 
 def _run_one(method: str, mesh: str, world: int, dims: tuple[int, int], size: float, ckpt: Path, meta: dict,
-             rep: int, args: argparse.Namespace, runs: Path) -> dict[str, Any]:
+             rep: int, args: argparse.Namespace, runs: Path, clock: str = "warm") -> dict[str, Any]:
     rec: dict[str, Any] = {"method": method, "mesh": mesh, "world": world, "dp_shard": dims[0], "tp": dims[1],
-                           "size_gb": size, "model_bytes": meta["model_bytes"], "repeat": rep}
+                           "size_gb": size, "model_bytes": meta["model_bytes"], "repeat": rep, "clock": clock,
+                           "model": args.model, "file_bytes": meta.get("file_bytes")}
     est = estimate_bytes(method, meta["model_bytes"], world, heap_kept=args.malloc_mmap_threshold <= 0)
     avail = _mem_available()
     if est > args.mem_headroom * avail:
         return dict(rec, status="skipped", ranks=[],
                     error=f"needs ~{est / 1e9:.1f} GB over all ranks, {avail / 1e9:.1f} GB available now")
-    out = runs / f"{mesh}-w{world}-{size:g}GB-r{rep}-{method}"
+    out = runs / f"{mesh}-w{world}-{size:g}GB-r{rep}-{clock}-{method}"
     shutil.rmtree(out, ignore_errors=True)
     spec = {"method": method, "dp_shard": dims[0], "tp": dims[1], "ckpt_dir": str(ckpt),
             "batch": list(args.batch), "optimizer": args.optimizer,
-            "optimizer_after": args.optimizer_after, "skip_step": args.skip_step, "save_dir": str(out / "saved")}
+            "optimizer_after": args.optimizer_after, "skip_step": args.skip_step and clock == "warm",
+            "save_dir": str(out / "saved"), "imports": "union" if clock == "warm" else "own",
+            "skip_save": clock == "cold",
+            "arch": args.model}
+    warm_page_cache(ckpt)  # both methods start with the checkpoint in the page cache
     res = launch_workers(spec, world, sys.executable, out, args.timeout, module="benchmarks.hf_worker")
     return dict(rec, status=res.status, error=res.error, ranks=res.ranks, wall_s=res.wall_s, log_dir=str(out))
 
 
+def warm_page_cache(directory: Path) -> None:
+    """Read every file of the checkpoint once, so its pages are in the page cache for the run."""
+    for f in sorted(directory.iterdir()):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                while fh.read(1 << 24):
+                    pass
+
+
 def _progress(rec: dict[str, Any], t0: float) -> None:
     ranks = [r for r in rec["ranks"] if "load" in r]
-    what = (f"load {max(r['load']['s'] for r in ranks):6.2f} s  fwd {max(r['forward']['s'] for r in ranks):6.2f} s  "
-            f"save {max(r['save']['s'] for r in ranks):6.2f} s" if ranks and rec["status"] == "ok"
-            else f"{rec['status']}: {(rec.get('error') or '')[:200]}")
+    if ranks and rec["status"] == "ok" and rec.get("clock") == "cold":
+        what = (f"cold: loaded at {max(r['cold_loaded_s'] for r in ranks):6.2f} s, first step done at "
+                f"{max(r.get('cold_step_s', 0) for r in ranks):6.2f} s")
+    elif ranks and rec["status"] == "ok":
+        what = (f"load {max(r['load']['s'] for r in ranks):6.2f} s  fwd {max(r['forward']['s'] for r in ranks):6.2f} s  "
+                f"save {max(r['save']['s'] for r in ranks):6.2f} s  read/rank "
+                f"{max(r['load'].get('read', 0) for r in ranks) / 1e6:,.0f} MB")
+    else:
+        what = f"{rec['status']}: {(rec.get('error') or '')[:200]}"
     print(f"[hf +{time.perf_counter() - t0:6.0f}s] {rec['mesh']:<8} W={rec['world']} {rec['size_gb']:g} GB "
           f"r{rec['repeat']} {rec['method']:<12} {what}", flush=True)
 
@@ -207,7 +245,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     load_before = os.getloadavg()
     for size in args.sizes:
-        ckpt, meta = _prepare(size, work, args.timeout)
+        ckpt, meta = _prepare(size, work, args.timeout, args.model)
         for world in args.worlds:
             for mesh in args.meshes:
                 dims = _mesh_dims(mesh, world)
@@ -217,14 +255,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  "ranks": []} for m in args.methods]
                     continue
                 for rep in range(args.repeats):
+                  for clock in args.clocks:
                     order = args.methods if rep % 2 == 0 else args.methods[::-1]
                     pair = {}
                     for method in order:
-                        rec = _run_one(method, mesh, world, dims, size, ckpt, meta, rep, args, runs)
+                        rec = _run_one(method, mesh, world, dims, size, ckpt, meta, rep, args, runs, clock)
                         records.append(rec)
                         pair[method] = rec
                         _progress(rec, t0)
-                    if all(pair.get(m, {}).get("status") == "ok" for m in METHODS):
+                    if clock == "warm" and all(pair.get(m, {}).get("status") == "ok" for m in METHODS):
                         check = check_pair({m: Path(pair[m]["log_dir"]) for m in METHODS}, ckpt)
                         for rec in pair.values():
                             rec["check"] = check
@@ -266,7 +305,7 @@ def _environment(args: argparse.Namespace, seconds: float, load_before: tuple[fl
             "commit": _git_commit(), "cpus": os.cpu_count(), "mem_total_GB": mem_total / 1e9,
             "platform": platform.platform(), "versions": _versions(), "seconds": seconds,
             "loadavg_before": list(load_before), "loadavg_end": list(os.getloadavg()),
-            "sizes": args.sizes, "worlds": args.worlds, "meshes": args.meshes, "repeats": args.repeats,
+            "sizes": args.sizes, "worlds": args.worlds, "model": args.model, "clocks": args.clocks, "meshes": args.meshes, "repeats": args.repeats,
             "batch": list(args.batch), "optimizer": args.optimizer, "optimizer_after": args.optimizer_after, "skip_step": args.skip_step, "quick": args.quick, "malloc_mmap_threshold": args.malloc_mmap_threshold}
 
 
@@ -281,6 +320,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS,
                    help="both are needed for the checks (a run of one is marked unchecked)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each (size, world, mesh, method)")
+    p.add_argument("--model", default="llama", choices=list(MODELS),
+                   help="the checkpoint: a Llama, or a Qwen3-MoE-shaped model in the Hub layout (16 experts, one "
+                        "tensor per expert)")
+    p.add_argument("--clocks", nargs="+", default=["warm", "cold"], choices=["warm", "cold"],
+                   help="warm: both methods import the same modules (the union) before the clock, the load call "
+                        "timed; cold: each imports only its own, timed from the process start to the loaded model "
+                        "and to the first finished step")
     p.add_argument("--batch", type=int, nargs=2, default=[2, 16], metavar=("ROWS", "TOKENS"),
                    help="the fixed batch of the first forward and the training step (same on every rank)")
     p.add_argument("--optimizer", default="adamw", choices=["adamw", "sgd"],

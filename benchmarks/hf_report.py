@@ -60,6 +60,8 @@ def _per_run(rec: dict[str, Any]) -> dict[str, float]:
     out.update(both("save_peak", lambda r: r["save"]["peak"]))
     out.update(both("save_above", lambda r: r["save"]["peak"] - r["save"]["rss0"]))
     out.update(both("load_sent", lambda r: r["load"]["sent"]))
+    if all("read" in r["load"] for r in ranks):  # bytes read from the files (later workers)
+        out.update(both("load_read", lambda r: r["load"]["read"]))
     out.update(both("save_sent", lambda r: r["save"]["sent"]))
     out["peak_any"] = max(max(r[p]["peak"] for p in ("load", "forward", "step", "save") if p in r) for r in ranks)
     return out
@@ -69,6 +71,8 @@ def aggregate(results: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
     """(mesh, world, size_gb, method) -> medians over repeats, status, checks."""
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for rec in results["records"]:
+        if rec.get("clock", "warm") != "warm":  # the cold runs have a table of their own
+            continue
         groups[(rec["mesh"], rec["world"], rec["size_gb"], rec["method"])].append(rec)
     rows = {}
     for key, recs in groups.items():
@@ -142,7 +146,59 @@ def render(results: dict[str, Any]) -> str:
                  f"{_g(r['save_peak_r0'])} ({_g(r['save_above_r0'])}) |")
         b.append(f"{head} {_m(r['load_sent_r0'])} / {_m(r['load_sent_rN'])} | {_m(r['save_sent_r0'])} / "
                  f"{_m(r['save_sent_rN'])} | {_m(r['model_bytes'] / k[1])} |")
-    return "\n".join(t + [""] + m + [""] + b + [""] + _ratios(rows)) + "\n"
+    return "\n".join(t + [""] + m + [""] + b + [""] + _ratios(rows) + [""] + cold_table(results)
+                     + [""] + read_table(results)) + "\n"
+
+
+def cold_table(results: dict[str, Any]) -> list[str]:
+    """What a user feels: from the process start (each method importing only its own modules) to
+    the loaded model and to the first finished step (max over ranks, median over repeats)."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for rec in results["records"]:
+        if rec.get("clock") == "cold" and rec["status"] == "ok":
+            groups[(rec["mesh"], rec["world"], rec["size_gb"], rec["method"])].append(rec)
+    if not groups:
+        return []
+    out = ["**From the process start** (cold: each method imports only its own modules; s, max over ranks, "
+           "median over repeats; ratio fsdptk / transformers):\n",
+           "| mesh | ranks | model GB | method | to the loaded model | to the first finished step | runs |",
+           "|---|---|---|---|---|---|---|"]
+    med: dict[tuple, tuple[float | None, float | None]] = {}
+    for key in sorted(groups, key=_sort_key):
+        recs = groups[key]
+        loaded = _med([max(r["cold_loaded_s"] for r in rec["ranks"]) for rec in recs])
+        step = _med([max(r.get("cold_step_s") or 0 for r in rec["ranks"]) or None for rec in recs])
+        med[key] = (loaded, step)
+        gb = recs[0]["model_bytes"] / GB
+        out.append(f"| {key[0]} | {key[1]} | {gb:.2f} | {key[3]} | {_s(loaded)} | {_s(step)} | {len(recs)} |")
+        other = (*key[:3], "transformers")
+        if key[3] == "fsdptk" and other in med:
+            (a, b), (c, d) = med[key], med[other]
+            ratio = lambda x, y: "-" if x is None or not y else f"{x / y:.2f}x"  # noqa: E731
+            out.append(f"| | | | ratio | {ratio(a, c)} | {ratio(b, d)} | |")
+    return out
+
+
+def read_table(results: dict[str, Any]) -> list[str]:
+    """Bytes each rank read from the checkpoint's files over the load, beside the ideal (each byte
+    once per replica: the files' bytes over the ranks that hold one replica)."""
+    rows = aggregate(results)
+    keys = [k for k in sorted(rows, key=_sort_key) if rows[k].get("load_read_r0") is not None]
+    if not keys:
+        return []
+    files = {(r["mesh"], r["world"], r["size_gb"]): r.get("file_bytes") for r in results["records"]}
+    dims = {(r["mesh"], r["world"], r["size_gb"]): (r.get("dp_shard") or 1) * (r.get("tp") or 1)
+            for r in results["records"]}
+    out = ["**Bytes read from the files** over the load (MB; rank 0 / max of the other ranks) beside the ideal "
+           "(the files' bytes over the ranks that hold one replica):\n",
+           "| mesh | ranks | model GB | method | read | ideal per rank |", "|---|---|---|---|---|---|"]
+    for k in keys:
+        r = rows[k]
+        fb = files.get(k[:3])
+        ideal = fb / dims[k[:3]] if fb else None
+        out.append(f"| {k[0]} | {k[1]} | {r['model_bytes'] / GB:.2f} | {k[3]} | {_m(r['load_read_r0'])} / "
+                   f"{_m(r['load_read_rN'])} | {_m(ideal)} |")
+    return out
 
 
 # (label, field, the target the issue sets or None)

@@ -6,8 +6,13 @@ The spec names the method (``transformers`` or ``fsdptk``), the mesh (``dp_shard
 checkpoint directory, the batch and the output directory. Phases, each timed on this rank from the
 call to its return (max over ranks is taken by the driver), with a barrier between phases:
 
-1. imports (torch, transformers, fsdptk's or transformers' distributed modules) and
-   ``init_process_group`` (gloo): reported, not part of the load;
+1. imports and ``init_process_group`` (gloo): reported, not part of the load. The spec's
+   ``imports``: ``union`` (the warm figure) imports :data:`UNION_MODULES` before the clock for
+   both methods, so neither load pays for imports the other did not; ``own`` (the cold figure)
+   imports only the method's entry point, and the run reports the time from the process start to
+   the loaded model (``cold_loaded_s``: imports, process group, build, load) and to the first
+   finished step (``cold_step_s``). ``gc.collect()`` runs before every clock; the driver reads the
+   checkpoint's files into the page cache before every run, so both methods start from it hot;
 2. load: ``AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(
    fsdp_size, tp_size))`` or ``fsdptk.hf.from_pretrained(path, dims=ParallelDims(dp_shard, tp))``;
 3. first forward (``no_grad``) on a fixed batch: rank 0 writes the logits for the driver's check;
@@ -17,6 +22,9 @@ call to its return (max over ranks is taken by the driver), with a barrier betwe
    leaves the values, so the saved tensors can be compared bit for bit; AdamW also allocates its
    two moments, as a real first step does; ``zero_grad(set_to_none=True)``;
 5. save: ``model.save_pretrained(dir)`` or ``fsdptk.save_safetensors(model, dir)``.
+
+Bytes read from the checkpoint's files over the load are counted on every rank (every tensor
+either method reads through ``safetensors.safe_open``: ``load.read``).
 
 After each phase: RSS, ``RssAnon``, ``RssFile`` and ``VmHWM`` (reset through
 ``/proc/self/clear_refs`` at the start of the phase) from ``/proc/self/status``; after the step
@@ -28,7 +36,7 @@ from __future__ import annotations
 
 import time
 
-_T_START = time.perf_counter()
+_T_START = time.perf_counter()  # the process's start, as near as Python sees it (the cold clock)
 
 import json  # noqa: E402
 import os  # noqa: E402
@@ -38,7 +46,107 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-__all__ = ["main", "status_bytes"]
+__all__ = ["main", "status_bytes", "preclock_imports", "UNION_MODULES"]
+
+# What a "warm" run imports before any clock starts, whichever method it runs: the union of what
+# either load imports on its own (transformers' distributed path and fsdptk.hf), so neither
+# method's timed load pays for imports the other has already paid (tests/test_bench_report.py
+# checks that the modules loaded when the load clock starts are the same for both methods).
+UNION_MODULES = (
+    "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+    "torch.distributed.fsdp", "torch.distributed.device_mesh", "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict", "safetensors", "safetensors.torch",
+    "transformers", "transformers.modeling_utils", "transformers.core_model_loading",
+    "transformers.conversion_mapping", "transformers.distributed", "transformers.distributed.fsdp",
+    "transformers.distributed.tensor_parallel", "transformers.integrations.accelerate", "accelerate",
+    "fsdptk", "fsdptk.hf", "fsdptk.hf.pretrained", "fsdptk.checkpoint", "fsdptk.conversions",
+    "fsdptk.sharding", "fsdptk.tp", "fsdptk.activation", "fsdptk.mesh", "fsdptk.state_dict",
+    "fsdptk._plans.hf_convert", "fsdptk._plans.hf_tp", "fsdptk._engine",
+)
+
+
+def preclock_imports(spec: dict[str, Any]) -> None:
+    """Import what the run's clock must not pay for: the union (``imports: union``, the warm
+    figure, the same for both methods), or only the method's own entry point (``imports: own``,
+    the cold figure, measured from the process start)."""
+    import importlib
+
+    import torch  # noqa: F401
+
+    if spec.get("imports", "union") == "union":
+        for name in UNION_MODULES:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # an optional module of another release: absent for both methods
+                pass
+        arch = spec.get("arch")
+        if arch:  # the model's own modeling module, which either load imports when it builds
+            importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+    elif spec["method"] == "transformers":
+        import transformers  # noqa: F401
+        from transformers.distributed import DistributedConfig  # noqa: F401
+    else:
+        import fsdptk.hf  # noqa: F401
+
+
+class _CountingSlice:
+    """A safetensors slice that counts the bytes of every piece read from it."""
+
+    def __init__(self, inner: Any, counter: list[int]) -> None:
+        self._inner, self._counter = inner, counter
+
+    def __getitem__(self, index: Any) -> Any:
+        t = self._inner[index]
+        self._counter[0] += t.numel() * t.element_size()
+        return t
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _CountingHandle:
+    """A ``safe_open`` handle that counts the tensor bytes read through it."""
+
+    def __init__(self, inner: Any, counter: list[int]) -> None:
+        self._inner, self._counter = inner, counter
+
+    def get_tensor(self, key: str) -> Any:
+        t = self._inner.get_tensor(key)
+        self._counter[0] += t.numel() * t.element_size()
+        return t
+
+    def get_slice(self, key: str) -> Any:
+        return _CountingSlice(self._inner.get_slice(key), self._counter)
+
+    def __enter__(self) -> Any:
+        self._inner.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._inner.__exit__(*exc)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def count_file_reads() -> list[int]:
+    """Count the tensor bytes this process reads from safetensors files (both methods open them
+    with ``safetensors.safe_open``): returns the one-element counter."""
+    import sys as _sys
+
+    import safetensors
+
+    counter = [0]
+    real = safetensors.safe_open
+
+    def opener(*args: Any, **kwargs: Any) -> Any:
+        return _CountingHandle(real(*args, **kwargs), counter)
+
+    safetensors.safe_open = opener
+    for mod in list(_sys.modules.values()):  # modules that imported the name itself
+        if getattr(mod, "safe_open", None) is real and getattr(mod, "__name__", "").startswith("transformers"):
+            mod.safe_open = opener
+    return counter
 
 _FIELDS = ("VmRSS", "RssAnon", "RssFile", "VmHWM")
 
@@ -103,11 +211,15 @@ def _phase(fn, dist, *, sent: bool = False) -> tuple[Any, dict[str, Any]]:
 
 
 def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    import gc
+
     import torch
 
     torch.set_num_threads(1)
     import torch.distributed as dist
-    import transformers
+
+    preclock_imports(spec)
+    import transformers  # both methods use it (fsdptk.hf builds the model with it)
 
     method, dp_shard, tp = spec["method"], spec["dp_shard"], spec["tp"]
     if method == "transformers":
@@ -128,12 +240,20 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
 
         def save(model, out):
             fsdptk.save_safetensors(model, out)
-    rec: dict[str, Any] = {"rank": rank, "import_s": time.perf_counter() - _T_START, "before": status_bytes()}
+    rec: dict[str, Any] = {"rank": rank, "import_s": time.perf_counter() - _T_START, "before": status_bytes(),
+                           "imports": spec.get("imports", "union")}
+    reads = count_file_reads()
     t0 = time.perf_counter()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rec["init_s"] = time.perf_counter() - t0
+    gc.collect()
+    rec["preclock_modules"] = len(sys.modules)
+    if spec.get("record_modules"):
+        rec["preclock_module_names"] = sorted(sys.modules)
 
     model, rec["load"] = _phase(load, dist, sent=True)
+    rec["load"]["read"] = reads[0]
+    rec["cold_loaded_s"] = time.perf_counter() - _T_START  # process start -> loaded model
 
     def make_optimizer() -> torch.optim.Optimizer:
         if spec.get("optimizer", "adamw") == "sgd":
@@ -169,6 +289,9 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     if spec.get("skip_step"):  # load-focused repeats: the step is compute, minutes at 4 GB
         return _save_phase(rec, spec, rank, dist, save, model)
     rec["loss"], rec["step"] = _phase(step, dist)
+    rec["cold_step_s"] = time.perf_counter() - _T_START  # process start -> first finished step
+    if spec.get("skip_save"):  # a cold run: its figures are the two above
+        return rec
     names = {id(p): n for n, p in model.named_parameters()}
     # a parameter the step did not reach (no gradient, so no optimizer state): it would never train
     rec["step"]["params_without_state"] = sorted(

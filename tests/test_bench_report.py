@@ -94,3 +94,34 @@ def test_render_scaling_table():
                         "fsdptk sent r0 / r>0 MB (ideal) |")
     assert lines[2] == "| 1 | 2 | 0.40 / 1.90 | 1.20 / 2.00 | 0 / 501 (0 / 500) |"
     assert lines[3] == "| 1 | 4 | 0.50 / 1.60 | skipped | 0 / 260 (0 / 250) |"
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m benchmarks hf: both methods' clocks start from the same state
+def test_hf_worker_preclock_imports_are_the_same_for_both_methods(tmp_path):
+    """The warm load clock of ``python -m benchmarks hf`` starts with the same modules imported for
+    transformers' path and fsdptk's (the union of what either imports), after the same
+    ``gc.collect()``: the real worker runs each method on a tiny Qwen3-MoE checkpoint (1 rank) and
+    records ``sys.modules`` when the load clock starts."""
+    pytest.importorskip("transformers")
+    import transformers
+
+    from benchmarks.runner import launch_workers
+
+    ckpt = tmp_path / "ckpt"
+    transformers.AutoModelForCausalLM.from_config(transformers.Qwen3MoeConfig(
+        hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=64, num_experts=4,
+        num_experts_per_tok=2)).save_pretrained(ckpt)
+    seen = {}
+    for method in ("transformers", "fsdptk"):
+        spec = {"method": method, "dp_shard": 1, "tp": 1, "ckpt_dir": str(ckpt), "batch": [1, 4],
+                "optimizer": "sgd", "skip_step": True, "save_dir": str(tmp_path / method / "saved"),
+                "imports": "union", "arch": "qwen3_moe", "record_modules": True}
+        res = launch_workers(spec, 1, sys.executable, tmp_path / method, 300, module="benchmarks.hf_worker")
+        assert res.status == "ok", res.error
+        rank = res.ranks[0]
+        seen[method] = set(rank["preclock_module_names"])
+        assert rank["load"]["read"] > 0  # the file reads were counted
+    only = {m: sorted(seen[m] - seen[o])[:10] for m, o in (("transformers", "fsdptk"), ("fsdptk", "transformers"))}
+    assert seen["transformers"] == seen["fsdptk"], f"modules imported before one method's clock only: {only}"
