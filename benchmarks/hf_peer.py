@@ -391,7 +391,15 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(Path(args.work_dir) / "runs", ignore_errors=True)
     print(render(results))
-    if args.write_docs:
+    moe = any(r.get("model") == "qwen3_moe" for r in results["records"])
+    if args.write_docs and moe:
+        from .hf_report import write_moe_docs
+
+        notes_file = Path(args.notes).with_name("NOTES_hf_moe.md") if args.notes else None
+        notes = notes_file.read_text() if notes_file and notes_file.is_file() else ""
+        for written in write_moe_docs(results, Path(args.docs), source=source, notes=notes):
+            print(f"[hf] wrote {written}")
+    elif args.write_docs:
         notes = Path(args.notes).read_text() if args.notes and Path(args.notes).is_file() else ""
         for written in write_docs(results, Path(args.docs), source=source, notes=notes,
                                   plot_world=args.plot_world, plot_size=args.plot_size):

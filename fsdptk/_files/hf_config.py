@@ -132,6 +132,10 @@ def _write_hf_config(model: nn.Module, config: Any, stage: Path, dtype: torch.dt
     arch = _architecture(model)
     if arch is not None:
         config.architectures = [arch]
+    if getattr(config, "quantization_config", None) is not None and getattr(model, "hf_quantizer", None) is None:
+        # a quantized release loaded dequantized (fsdptk reads FP8 / MXFP4 into the model's
+        # dtype): the weights written are unquantized, so the config must not say otherwise
+        del config.quantization_config
     if hasattr(config, "save_pretrained"):
         config.save_pretrained(stage)
     else:
@@ -148,7 +152,9 @@ def stage_hf_config(model: nn.Module, directory: PathLike, *, dtype: torch.dtype
 
     The files are what ``save_pretrained`` writes, from a copy of the config (the model's own is not
     modified): ``config.json`` with ``dtype`` (``dtype`` or the model's) and ``architectures`` set,
-    and ``generation_config.json`` when the model can generate and has a generation config.
+    and ``generation_config.json`` when the model can generate and has a generation config. A
+    ``quantization_config`` is dropped when the model holds unquantized weights (a quantized
+    release read dequantized): the files saved beside it are unquantized.
 
     Args:
         model: the model (sharded or not).

@@ -79,8 +79,8 @@ class _Opaque(Node):
 
     def leaves(self, box: Box) -> Iterator[tuple[str, Box]]:
         for keys in self.group.inputs.values():
-            for k, meta in keys:
-                yield k, full_box(meta.shape)
+            for _, node in keys:
+                yield from node.leaves(full_box(node.shape))
 
     def split(self, full: torch.Tensor) -> Iterator[tuple[Any, torch.Tensor]]:
         raise NotImplementedError(
@@ -93,15 +93,15 @@ class _Group:
     converter: Any
     layer: str
     model: Any
-    inputs: dict[str, list[tuple[str, TensorMeta]]]
+    inputs: dict[str, list[tuple[str, Node]]]
 
     def run(self, source: Any) -> dict[str, torch.Tensor]:
         import copy
 
         conv = copy.deepcopy(self.converter)
         for pattern, keys in self.inputs.items():
-            for k, _ in keys:
-                conv.collected_tensors[pattern].append(lambda k=k: source.read(k, None))
+            for _, node in keys:
+                conv.collected_tensors[pattern].append(lambda node=node: node.read(source, full_box(node.shape)))
         return dict(conv.convert(self.layer, model=self.model, config=getattr(self.model, "config", None)))
 
 
@@ -151,7 +151,8 @@ def hub_nodes(model: nn.Module, metas: Mapping[str, TensorMeta], *, legacy: bool
     from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
 
     transforms = _mapping(model, legacy=legacy)
-    if not transforms:
+    leaves = quantized_leaves(model, metas)
+    if not transforms and all(isinstance(n, Leaf) for n in leaves.values()):
         return None
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -161,18 +162,18 @@ def hub_nodes(model: nn.Module, metas: Mapping[str, TensorMeta], *, legacy: bool
     nodes: dict[str, Node] = {}
     origin: dict[str, str] = {}
     groups: dict[str, _Group] = {}
-    for key in sorted(metas, key=dot_natural_key):
+    for key in sorted(leaves, key=dot_natural_key):
         target, pattern = rename_source_key(key, renamings, converters, prefix, model_shapes)
         if pattern is None:
             if target in origin:
                 raise ConversionProblem(f"checkpoint keys {origin[target]!r} and {key!r} both load into "
                                       f"{target!r}")
             origin[target] = key
-            nodes[target] = Leaf(key, tuple(metas[key].shape), metas[key].dtype)
+            nodes[target] = leaves[key]
             continue
         conv = by_pattern[pattern]
         group = groups.setdefault(target, _Group(conv, target, model, {}))
-        group.inputs.setdefault(pattern, []).append((key, metas[key]))
+        group.inputs.setdefault(pattern, []).append((key, leaves[key]))
     for layer, group in groups.items():
         for target, node in _convert_group(group, model_shapes).items():
             if target in origin:
@@ -195,8 +196,7 @@ def _convert_group(group: _Group, model_shapes: Mapping[str, tuple[int, ...]]) -
             targets = op.get_target_patterns(targets, config=group.model.config)
         ops.append(got[0])
     _check_experts(group, model_shapes, ops)
-    inputs: dict[str, list[Node]] = {p: [Leaf(k, tuple(m.shape), m.dtype) for k, m in group.inputs[p]]
-              for p in sources if p in group.inputs}
+    inputs: dict[str, list[Node]] = {p: [node for _, node in group.inputs[p]] for p in sources if p in group.inputs}
     out = apply_ops(ops, inputs, sources, targets)
     full = group.layer.replace("*.", "0.") if "*." in group.layer else group.layer
     named: dict[str, Node] = {}
@@ -247,14 +247,14 @@ def _check_experts(group: _Group, model_shapes: Mapping[str, tuple[int, ...]], o
 
 def _opaque(group: _Group) -> dict[str, Node]:
     """Shapes by running transformers' converter on ``meta`` tensors; reads run it for real."""
-    probe = {p: [(k, m) for k, m in keys] for p, keys in group.inputs.items()}
+    import copy
 
-    class _Meta:
-        def read(self, key: str, box: Any) -> torch.Tensor:
-            m = next(m for ks in probe.values() for k, m in ks if k == key)
-            return torch.empty(m.shape, dtype=m.dtype, device="meta")
-
-    out = group.run(_Meta())
+    conv = copy.deepcopy(group.converter)
+    for pattern, keys in group.inputs.items():
+        for _, node in keys:
+            conv.collected_tensors[pattern].append(
+                lambda node=node: torch.empty(node.shape, dtype=node.dtype, device="meta"))
+    out = dict(conv.convert(group.layer, model=group.model, config=getattr(group.model, "config", None)))
     cache: dict[int, dict[str, torch.Tensor]] = {}
 
     class _Cached(_Group):
@@ -267,6 +267,89 @@ def _opaque(group: _Group) -> dict[str, Node]:
 
     shared = _Cached(group.converter, group.layer, group.model, group.inputs)
     return {k: _Opaque(shared, k, tuple(v.shape), v.dtype) for k, v in out.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# quantized releases: the checkpoint's (weight, scale) pairs as dequantizing leaves
+def quantization(model: nn.Module) -> dict[str, Any] | None:
+    """The model config's ``quantization_config`` as a dict (``None``: not a quantized release)."""
+    config = getattr(model, "config", None)
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return None
+    if not isinstance(quant, dict):
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else dict(vars(quant))
+    return dict(quant)
+
+
+def quantized_leaves(model: nn.Module, metas: Mapping[str, TensorMeta]) -> dict[str, Node]:
+    """Checkpoint key -> leaf, a quantized weight and its scales becoming one dequantizing leaf
+    under the weight's name (FP8: ``<w>`` + ``<w>_scale_inv``; MXFP4: ``<w>_blocks`` +
+    ``<w>_scales`` as ``<w>``), as the config's ``quantization_config`` says.
+
+    Raises:
+        ConversionProblem: an unknown ``quant_method``; a quantized weight without its scales, or
+            scales that do not fit the weight and the block (key, shapes and block named).
+    """
+    quant = quantization(model)
+    plain = {k: Leaf(k, tuple(m.shape), m.dtype) for k, m in metas.items()}
+    if quant is None:
+        return dict(plain)
+    method = quant.get("quant_method")
+    if method == "fp8":
+        return _fp8_leaves(plain, quant)
+    if method == "mxfp4":
+        return _mxfp4_leaves(plain)
+    raise ConversionProblem(
+        f"the checkpoint's config.json has quantization_config quant_method {method!r}; fsdptk dequantizes "
+        "'fp8' (block-scaled float8 with weight_scale_inv) and 'mxfp4' (gpt-oss blocks and scales) on read")
+
+
+_FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
+
+
+def _fp8_leaves(plain: dict[str, Leaf], quant: Mapping[str, Any]) -> dict[str, Node]:
+    from fsdptk._engine.sources.quant import FP8Blocks
+
+    block = quant.get("weight_block_size")
+    out: dict[str, Node] = {}
+    scales = {k for k in plain if k.endswith("_scale_inv")}
+    for key, leaf in plain.items():
+        if key in scales or key.endswith(("activation_scale", ".input_scale")):
+            continue  # consumed with their weight; static activation scales have no use dequantized
+        scale_key = (key[:-len(".weight")] + ".weight_scale_inv") if key.endswith(".weight") else key + "_scale_inv"
+        if scale_key in plain:
+            grid = (leaf.shape[-2], leaf.shape[-1]) if block is None else (int(block[0]), int(block[1]))
+            out[key] = FP8Blocks(leaf, plain[scale_key], grid)
+        elif leaf.dtype in _FP8:
+            raise ConversionProblem(
+                f"{key!r} (shape {list(leaf.shape)}, {leaf.dtype}) is quantized but the checkpoint has no "
+                f"{scale_key!r} (block {block}): its scales are missing")
+        else:
+            out[key] = leaf
+    lone = sorted(k for k in scales if k.replace(".weight_scale_inv", ".weight").removesuffix("_scale_inv")
+                  not in plain and k.removesuffix("_scale_inv") not in plain)
+    if lone:
+        raise ConversionProblem(f"scales without their weight in the checkpoint: {lone[:8]}")
+    return out
+
+
+def _mxfp4_leaves(plain: dict[str, Leaf]) -> dict[str, Node]:
+    from fsdptk._engine.sources.quant import MXFP4Blocks
+
+    out: dict[str, Node] = {}
+    for key, leaf in plain.items():
+        if key.endswith("_scales") and key.removesuffix("_scales") + "_blocks" in plain:
+            continue
+        if key.endswith("_blocks"):
+            base = key.removesuffix("_blocks")
+            if base + "_scales" not in plain:
+                raise ConversionProblem(f"{key!r} (shape {list(leaf.shape)}) has no {base + '_scales'!r}: "
+                                        "MXFP4 blocks need their scales")
+            out[base] = MXFP4Blocks(leaf, plain[base + "_scales"], base)
+            continue
+        out[key] = leaf
+    return out
 
 
 def hub_file_metas(model: nn.Module, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]

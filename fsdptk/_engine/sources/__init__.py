@@ -42,7 +42,8 @@ _ST_CODES: dict[torch.dtype, str] = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
     torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
 }
-for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("uint16", "U16"),
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"), ("float8_e8m0fnu", "F8_E8M0"),
+                     ("uint16", "U16"),
                      ("uint32", "U32"), ("uint64", "U64")):
     if hasattr(torch, _name):
         _ST_CODES[getattr(torch, _name)] = _code

@@ -68,8 +68,17 @@ class Node:
     dtype: torch.dtype
 
     def read(self, source: Any, box: Box) -> torch.Tensor:
-        """The piece of this tensor at ``box``, reading only what the box covers from ``source``."""
-        raise NotImplementedError
+        """The piece of this tensor at ``box``, reading only what the box covers from ``source``.
+
+        By default one fresh tensor filled by :meth:`read_into`, so a tree of stacks and
+        concatenations copies each checkpoint byte once, straight into its place."""
+        out = torch.empty(box_shape(box), dtype=self.dtype)
+        self.read_into(source, box, out)
+        return out
+
+    def read_into(self, source: Any, box: Box, out: torch.Tensor) -> None:
+        """Write the piece at ``box`` into ``out`` (a view of the caller's tensor, cast on copy)."""
+        out.copy_(self.read(source, box))
 
     def leaves(self, box: Box) -> Iterator[tuple[str, Box]]:
         """The checkpoint keys, and their boxes, that :meth:`read` of ``box`` reads."""
@@ -124,12 +133,10 @@ class Stacked(Node):
     def _sub(self, box: Box) -> Box:
         return tuple(b for d, b in enumerate(box) if d != self.dim)
 
-    def read(self, source: Any, box: Box) -> torch.Tensor:
+    def read_into(self, source: Any, box: Box, out: torch.Tensor) -> None:
         sub = self._sub(box)
-        pieces = [self.children[i].read(source, sub) for i in _indices(box[self.dim])]
-        if not pieces:
-            return torch.empty(box_shape(box), dtype=self.dtype)
-        return torch.stack(pieces, self.dim)
+        for j, i in enumerate(_indices(box[self.dim])):
+            self.children[i].read_into(source, sub, out.select(self.dim, j))
 
     def leaves(self, box: Box) -> Iterator[tuple[str, Box]]:
         sub = self._sub(box)
@@ -171,12 +178,17 @@ class Concatenated(Node):
                 yield c, box[:self.dim] + (_as_box(mine),) + box[self.dim + 1:]
 
     def read(self, source: Any, box: Box) -> torch.Tensor:
-        pieces = [c.read(source, b) for c, b in self._parts(box)]
-        if len(pieces) == 1:
-            return pieces[0]
-        if not pieces:
-            return torch.empty(box_shape(box), dtype=self.dtype)
-        return torch.cat(pieces, self.dim)
+        parts = list(self._parts(box))
+        if len(parts) == 1:  # the child's own read (a file view where the source gives one)
+            return parts[0][0].read(source, parts[0][1])
+        return super().read(source, box)
+
+    def read_into(self, source: Any, box: Box, out: torch.Tensor) -> None:
+        at = 0
+        for c, b in self._parts(box):
+            n = box_shape(b)[self.dim]
+            c.read_into(source, b, out.narrow(self.dim, at, n))
+            at += n
 
     def leaves(self, box: Box) -> Iterator[tuple[str, Box]]:
         for c, b in self._parts(box):
@@ -208,6 +220,9 @@ class Transposed(Node):
     def read(self, source: Any, box: Box) -> torch.Tensor:
         return self.child.read(source, self._child_box(box)).transpose(self.dim0, self.dim1)
 
+    def read_into(self, source: Any, box: Box, out: torch.Tensor) -> None:
+        self.child.read_into(source, self._child_box(box), out.transpose(self.dim0, self.dim1))
+
     def leaves(self, box: Box) -> Iterator[tuple[str, Box]]:
         return self.child.leaves(self._child_box(box))
 
@@ -237,6 +252,9 @@ class Part(Node):
 
     def read(self, source: Any, box: Box) -> torch.Tensor:
         return self.child.read(source, self._child_box(box))
+
+    def read_into(self, source: Any, box: Box, out: torch.Tensor) -> None:
+        self.child.read_into(source, self._child_box(box), out)
 
     def leaves(self, box: Box) -> Iterator[tuple[str, Box]]:
         return self.child.leaves(self._child_box(box))

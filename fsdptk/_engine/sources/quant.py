@@ -1,0 +1,159 @@
+"""Quantized checkpoint tensors dequantized on read, per box: the leaves of a conversion tree.
+
+Two formats the open-model releases use:
+
+* FP8 block quantization (DeepSeek-V3/R1, Qwen3-*-FP8, GLM-4.5-FP8, Kimi K2): ``<w>`` in
+  ``float8_e4m3fn`` with ``<w>_scale_inv``, one scale per ``block_m x block_n`` block of the last two
+  dims, the grid rounded up where a dim is not a multiple of the block (DeepSeek-V3's
+  ``kv_a_proj_with_mqa``, 576 x 7168 under 128 x 128 blocks, has a 5 x 56 grid). Scales are float32,
+  or ``float8_e8m0fnu`` ("ue8m0", a power of two), or uint8 exponents (``2 ** (byte - 127)``).
+  :class:`FP8Blocks`.
+* MXFP4 (gpt-oss): ``<w>_blocks`` (uint8, two e2m1 values per byte, 16 bytes per group of 32
+  values) and ``<w>_scales`` (uint8 e8m0 exponents, one per group), stored transposed against the
+  model's fused experts: ``[experts, rows, groups, 16]`` dequantizes to the model's
+  ``[experts, groups * 32, rows]``. :class:`MXFP4Blocks`.
+
+The math is the reference one (transformers' ``Fp8Dequantize._dequantize_one`` and
+``convert_moe_packed_tensors``): the values to float32, times their block's scale, in float32; the
+engine then casts to the model's dtype. A box reads only the quantized bytes it covers and the scale
+blocks it intersects. The inverse (a save) writes the dequantized tensor: the checkpoint a load of a
+quantized release saves is unquantized (``split`` yields the model tensor under the weight's key).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fsdptk._engine.layouts import Box
+from fsdptk._engine.sources.convert import ConversionProblem, Node
+
+__all__ = ["FP8Blocks", "MXFP4Blocks", "FP4_VALUES", "scale_grid"]
+
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The scale tensor's shape for a weight of ``shape`` under ``block`` (rounded up).
+
+    Example:
+        >>> scale_grid((576, 7168), (128, 128))
+        (5, 56)
+    """
+    return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
+
+
+def _idx(b: Any) -> list[int]:
+    return list(range(b.start, b.stop)) if isinstance(b, slice) else list(b)
+
+
+def _scales_f32(s: torch.Tensor) -> torch.Tensor:
+    if s.dtype == torch.uint8:
+        return (s.to(torch.float32) - 127.0).exp2()
+    return s.to(torch.float32)
+
+
+@dataclass(eq=False)
+class FP8Blocks(Node):
+    """An FP8 weight dequantized with its per-block scales (``weight_scale_inv``).
+
+    Args:
+        weight: the quantized weight's node (a leaf in a float8 dtype).
+        scale: the scales' node (``scale_grid(weight.shape, block)``).
+        block: ``(block_m, block_n)`` over the last two dims.
+    """
+
+    weight: Node
+    scale: Node
+    block: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        want = scale_grid(self.weight.shape, self.block)
+        if len(self.weight.shape) < 2 or tuple(self.scale.shape) != want:
+            raise ConversionProblem(
+                f"{self.scale.files()[0]!r} has shape {list(self.scale.shape)}, but weight "
+                f"{self.weight.files()[0]!r} of shape {list(self.weight.shape)} in blocks of "
+                f"{list(self.block)} needs a scale grid of {list(want)}")
+        self.shape, self.dtype = tuple(self.weight.shape), torch.float32
+
+    def _scale_box(self, box: Box) -> tuple[Box, list[list[int]]]:
+        """The scale rows/cols a box needs, and each box index's position among them."""
+        lead, out = box[:-2], []
+        sbox: list[Any] = list(lead)
+        for b, n in zip(box[-2:], self.block):
+            ix = _idx(b)
+            lo = min(ix) // n if ix else 0
+            hi = max(ix) // n + 1 if ix else 0
+            sbox.append(slice(lo, hi))
+            out.append([i // n - lo for i in ix])
+        return tuple(sbox), out
+
+    def read(self, source: Any, box: Box) -> torch.Tensor:
+        q = self.weight.read(source, box).to(torch.float32)
+        sbox, (rows, cols) = self._scale_box(box)
+        s = _scales_f32(self.scale.read(source, sbox))
+        s = s.index_select(-2, torch.tensor(rows, dtype=torch.long)).index_select(
+            -1, torch.tensor(cols, dtype=torch.long))
+        return q * s
+
+    def leaves(self, box: Box) -> Iterator[tuple[str, Box]]:
+        yield from self.weight.leaves(box)
+        yield from self.scale.leaves(self._scale_box(box)[0])
+
+    def split(self, full: torch.Tensor) -> Iterator[tuple[Any, torch.Tensor]]:
+        # the save writes the dequantized tensor under the weight's key (no scales)
+        yield self.weight.files()[0], full
+
+
+@dataclass(eq=False)
+class MXFP4Blocks(Node):
+    """MXFP4 ``<w>_blocks`` / ``<w>_scales`` dequantized into the model's (transposed) tensor.
+
+    ``blocks`` is ``[*lead, rows, groups, 16]`` (uint8, two e2m1 values per byte, low nibble
+    first), ``scales`` ``[*lead, rows, groups]`` (uint8 e8m0 exponents); the model's tensor is
+    ``[*lead, groups * 32, rows]``. ``key`` is the name the dequantized tensor is saved under.
+    """
+
+    blocks: Node
+    scales: Node
+    key: str
+
+    def __post_init__(self) -> None:
+        b, s = tuple(self.blocks.shape), tuple(self.scales.shape)
+        if len(b) < 3 or b[-1] != 16 or b[:-1] != s:
+            raise ConversionProblem(
+                f"{self.blocks.files()[0]!r} (shape {list(b)}) and {self.scales.files()[0]!r} (shape "
+                f"{list(s)}) are not an MXFP4 pair: blocks [..., rows, groups, 16] with scales [..., rows, groups]")
+        self.shape = (*b[:-3], b[-2] * 32, b[-3])
+        self.dtype = torch.float32
+
+    def _source_boxes(self, box: Box) -> tuple[Box, Box, list[int]]:
+        lead, cols, rows = box[:-2], box[-2], box[-1]  # model [.., groups*32, rows]
+        ix = _idx(cols)
+        g0 = min(ix) // 32 if ix else 0
+        g1 = max(ix) // 32 + 1 if ix else 0
+        sbox = (*lead, rows, slice(g0, g1))
+        return (*sbox, slice(0, 16)), sbox, [i - 32 * g0 for i in ix]
+
+    def read(self, source: Any, box: Box) -> torch.Tensor:
+        bbox, sbox, pick = self._source_boxes(box)
+        blocks = self.blocks.read(source, bbox).to(torch.uint8)
+        exps = self.scales.read(source, sbox).to(torch.int32) - 127
+        lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+        vals = torch.stack([lut[(blocks & 0x0F).long()], lut[(blocks >> 4).long()]], dim=-1)
+        vals = vals.reshape(*blocks.shape[:-1], 32)  # [.., rows, g, 32]
+        vals = torch.ldexp(vals, exps.unsqueeze(-1).to(torch.float32))
+        vals = vals.reshape(*vals.shape[:-2], -1)  # [.., rows, g*32 (from g0)]
+        vals = vals.index_select(-1, torch.tensor(pick, dtype=torch.long))
+        return vals.transpose(-1, -2)
+
+    def leaves(self, box: Box) -> Iterator[tuple[str, Box]]:
+        bbox, sbox, _ = self._source_boxes(box)
+        yield from self.blocks.leaves(bbox)
+        yield from self.scales.leaves(sbox)
+
+    def split(self, full: torch.Tensor) -> Iterator[tuple[Any, torch.Tensor]]:
+        yield self.key, full
