@@ -83,7 +83,33 @@ def qwen3_moe_config(size_gb: float) -> dict[str, Any]:
                 tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-MODELS = {"llama": ("LlamaConfig", llama_config), "qwen3_moe": ("Qwen3MoeConfig", qwen3_moe_config)}
+MODELS = {"llama": ("LlamaConfig", llama_config), "qwen3_moe": ("Qwen3MoeConfig", qwen3_moe_config),
+          "qwen3_moe_fp8": ("Qwen3MoeConfig", qwen3_moe_config)}
+# an FP8 release: the model's projection weights block-quantized (128 x 128, float32 scales) by
+# transformers' own quantizer (Fp8Quantize), the config's quantization_config saying so
+_FP8_CODE = """
+import json, types, pathlib, torch
+from safetensors.torch import load_file, save_file
+from transformers import FineGrainedFP8Config
+from transformers.integrations.finegrained_fp8 import Fp8Quantize
+quant = Fp8Quantize(types.SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=[128, 128])))
+out = pathlib.Path(OUT)
+for f in sorted(out.glob('*.safetensors')):
+    tensors, new = load_file(f), {}
+    for k, t in tensors.items():
+        new.update(quant._quantize_one(k, t) if k.endswith('_proj.weight') and t.dim() == 2 else {k: t})
+    save_file(new, f, metadata={'format': 'pt'})
+index = out / 'model.safetensors.index.json'
+if index.is_file():
+    idx = json.loads(index.read_text())
+    for k, v in list(idx['weight_map'].items()):
+        if k.endswith('_proj.weight'):
+            idx['weight_map'][k[:-len('.weight')] + '.weight_scale_inv'] = v
+    index.write_text(json.dumps(idx))
+cfg = json.loads((out / 'config.json').read_text())
+cfg['quantization_config'] = {'quant_method': 'fp8', 'weight_block_size': [128, 128], 'activation_scheme': 'dynamic'}
+(out / 'config.json').write_text(json.dumps(cfg))
+"""
 
 
 def _param_bytes(cfg: dict[str, Any]) -> int:
@@ -143,7 +169,8 @@ def _prepare(size_gb: float, work: Path, timeout: float, model: str = "llama") -
             "torch.manual_seed(0)\n"
             f"model = transformers.AutoModelForCausalLM.from_config(transformers.{cls}(**cfg))\n"
             "model.save_pretrained(out)\n"
-            "print(json.dumps({'params': sum(p.numel() for p in model.parameters())}))\n")
+            + (f"OUT = {str(ckpt)!r}\n" + _FP8_CODE if model.endswith("_fp8") else "")
+            + "print(json.dumps({'params': sum(p.numel() for p in model.parameters())}))\n")
     done = subprocess.run([sys.executable, "-c", code, json.dumps(cfg), str(ckpt)], cwd=REPO, check=True,
                           capture_output=True, text=True, timeout=timeout)
     params = json.loads(done.stdout.strip().splitlines()[-1])["params"]
@@ -171,6 +198,10 @@ def check_pair(dirs: dict[str, Path], source: Path) -> dict[str, Any]:
     a, b = (torch.load(dirs[m] / "logits.pt") for m in METHODS)
     out["logits_max_diff"] = float((a - b).abs().max()) if a.shape == b.shape else None
     out["logits_ok"] = a.shape == b.shape and bool(torch.allclose(a, b, rtol=_RTOL, atol=_ATOL))
+    if not all((dirs[m] / "saved").is_dir() for m in METHODS):  # a run without a save (FP8): logits only
+        out.update(saved_ok=None, saved_mismatch=[], saved_keys_equal=None, saved_is_source=None)
+        out["void"] = None if out["logits_ok"] else f"logits differ (max |diff| {out['logits_max_diff']})"
+        return out
     saved = [dict(_tensors(dirs[m] / "saved")) for m in METHODS]  # mmap: pages, not copies
     keys = [sorted(s) for s in saved]
     bad = [k for k in keys[0] if k in saved[1] and not torch.equal(saved[0][k], saved[1][k])]
@@ -204,8 +235,9 @@ def _run_one(method: str, mesh: str, world: int, dims: tuple[int, int], size: fl
             "batch": list(args.batch), "optimizer": args.optimizer,
             "optimizer_after": args.optimizer_after, "skip_step": args.skip_step and clock == "warm",
             "save_dir": str(out / "saved"), "imports": "union" if clock == "warm" else "own",
-            "skip_save": clock == "cold",
-            "arch": args.model}
+            "skip_save": clock == "cold" or args.model.endswith("_fp8"),
+            "quant": "fp8" if args.model.endswith("_fp8") else None,
+            "arch": args.model.removesuffix("_fp8")}
     warm_page_cache(ckpt)  # both methods start with the checkpoint in the page cache
     res = launch_workers(spec, world, sys.executable, out, args.timeout, module="benchmarks.hf_worker")
     return dict(rec, status=res.status, error=res.error, ranks=res.ranks, wall_s=res.wall_s, log_dir=str(out))
@@ -227,7 +259,7 @@ def _progress(rec: dict[str, Any], t0: float) -> None:
                 f"{max(r.get('cold_step_s', 0) for r in ranks):6.2f} s")
     elif ranks and rec["status"] == "ok":
         what = (f"load {max(r['load']['s'] for r in ranks):6.2f} s  fwd {max(r['forward']['s'] for r in ranks):6.2f} s  "
-                f"save {max(r['save']['s'] for r in ranks):6.2f} s  read/rank "
+                f"save {max(r.get('save', {}).get('s', 0) for r in ranks):6.2f} s  read/rank "
                 f"{max(r['load'].get('read', 0) for r in ranks) / 1e6:,.0f} MB")
     else:
         what = f"{rec['status']}: {(rec.get('error') or '')[:200]}"
@@ -268,7 +300,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         for rec in pair.values():
                             rec["check"] = check
                         print(f"[hf] check: logits max |diff| {check['logits_max_diff']:.3g}, saved tensors "
-                              f"{'identical' if check['saved_ok'] else 'DIFFERENT'}"
+                              f"{'identical' if check['saved_ok'] else 'not saved' if check['saved_ok'] is None else 'DIFFERENT'}"
                               + (f" -> VOID: {check['void']}" if check["void"] else ""), flush=True)
                     for rec in pair.values():  # the logs stay in the work directory, not in the results
                         if rec.get("log_dir"):
@@ -391,13 +423,14 @@ def main(argv: list[str] | None = None) -> int:
         if not args.keep:
             shutil.rmtree(Path(args.work_dir) / "runs", ignore_errors=True)
     print(render(results))
-    moe = any(r.get("model") == "qwen3_moe" for r in results["records"])
-    if args.write_docs and moe:
+    model = next((r.get("model") for r in results["records"] if r.get("model", "llama") != "llama"), None)
+    if args.write_docs and model:
         from .hf_report import write_moe_docs
 
-        notes_file = Path(args.notes).with_name("NOTES_hf_moe.md") if args.notes else None
+        name = "NOTES_hf_fp8.md" if model.endswith("_fp8") else "NOTES_hf_moe.md"
+        notes_file = Path(args.notes).with_name(name) if args.notes else None
         notes = notes_file.read_text() if notes_file and notes_file.is_file() else ""
-        for written in write_moe_docs(results, Path(args.docs), source=source, notes=notes):
+        for written in write_moe_docs(results, Path(args.docs), source=source, notes=notes, model=model):
             print(f"[hf] wrote {written}")
     elif args.write_docs:
         notes = Path(args.notes).read_text() if args.notes and Path(args.notes).is_file() else ""

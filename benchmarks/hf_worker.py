@@ -227,7 +227,11 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
 
         def load():
             config = DistributedConfig(fsdp_size=dp_shard, tp_size=tp)
-            return transformers.AutoModelForCausalLM.from_pretrained(spec["ckpt_dir"], distributed_config=config)
+            extra = {}
+            if spec.get("quant") == "fp8":  # transformers' dequantizing load of an FP8 release
+                extra["quantization_config"] = transformers.FineGrainedFP8Config(dequantize=True)
+            return transformers.AutoModelForCausalLM.from_pretrained(spec["ckpt_dir"], distributed_config=config,
+                                                                     **extra)
 
         def save(model, out):
             model.save_pretrained(out)
@@ -290,7 +294,8 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         return _save_phase(rec, spec, rank, dist, save, model)
     rec["loss"], rec["step"] = _phase(step, dist)
     rec["cold_step_s"] = time.perf_counter() - _T_START  # process start -> first finished step
-    if spec.get("skip_save"):  # a cold run: its figures are the two above
+    if spec.get("skip_save"):  # a cold run (its figures are the two above), or a run without a save
+        rec["load"]["sent"] = rec["load"]["written"]
         return rec
     names = {id(p): n for n, p in model.named_parameters()}
     # a parameter the step did not reach (no gradient, so no optimizer state): it would never train
