@@ -91,13 +91,24 @@ class FP8Blocks(Node):
             out.append([i // n - lo for i in ix])
         return tuple(sbox), out
 
+    def _aligned(self, box: Box) -> bool:
+        """Whether the box's last two dims are whole blocks (each scale covers a full tile)."""
+        return all(isinstance(b, slice) and b.start % n == 0 and (b.stop - b.start) % n == 0
+                   for b, n in zip(box[-2:], self.block))
+
     def read(self, source: Any, box: Box) -> torch.Tensor:
-        q = self.weight.read(source, box).to(torch.float32)
+        q = self.weight.read(source, box).to(torch.float32, memory_format=torch.contiguous_format,
+                                             copy=True)  # fresh memory: scaled in place
         sbox, (rows, cols) = self._scale_box(box)
         s = _scales_f32(self.scale.read(source, sbox))
+        if self._aligned(box):  # tiles broadcast against their scales: no expanded scale tensor
+            (bm, bn), (r, c) = self.block, q.shape[-2:]
+            lead = q.shape[:-2]
+            q.view(*lead, r // bm, bm, c // bn, bn).mul_(s.reshape(*lead, r // bm, 1, c // bn, 1))
+            return q
         s = s.index_select(-2, torch.tensor(rows, dtype=torch.long)).index_select(
             -1, torch.tensor(cols, dtype=torch.long))
-        return q * s
+        return q.mul_(s)
 
     def leaves(self, box: Box) -> Iterator[tuple[str, Box]]:
         yield from self.weight.leaves(box)
