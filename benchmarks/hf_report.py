@@ -438,9 +438,14 @@ def section(results: dict[str, Any], *, source: str, notes: str, pngs: list[Path
 
 
 def hf_section(page_text: str) -> str:
-    """The hf section of a results page ("" when it has none): kept when the main page is rewritten."""
-    start, end = page_text.find(HF_BEGIN), page_text.find(HF_END)
-    return page_text[start:end + len(HF_END)] + "\n" if 0 <= start < end else ""
+    """The blocks ``python -m benchmarks hf --write-docs`` owns in ``page_text`` (the dense
+    section, then the FP8 and MoE sections when present), markers included, or ``""``."""
+    out = ""
+    for begin, end in ((HF_BEGIN, HF_END), _markers("qwen3_moe_fp8"), _markers("qwen3_moe")):
+        start, stop = page_text.find(begin), page_text.find(end)
+        if 0 <= start < stop:
+            out += page_text[start:stop + len(end)] + "\n\n"
+    return out.rstrip("\n") + "\n" if out else ""
 
 
 def write_docs(results: dict[str, Any], page: Path, *, source: str, notes: str, plot_world: int,
