@@ -30,3 +30,34 @@ def counted(names: Sequence[str]) -> Iterator[list[str]]:
     finally:
         for name, f in real.items():
             setattr(dist, name, f)
+
+
+@contextmanager
+def file_reads() -> Iterator[list[tuple[str, tuple[int, ...], int]]]:
+    """Within the block, every read the engine makes from a safetensors file (through its slice
+    source) is appended to the yielded list as ``(checkpoint key, shape read, bytes)``."""
+    from fsdptk._engine import sources
+
+    seen: list[tuple[str, tuple[int, ...], int]] = []
+    real = sources.SliceSource.read
+
+    def counting(self, key, box=None):
+        out = real(self, key, box)
+        seen.append((key, tuple(out.shape), out.numel() * out.element_size()))
+        return out
+
+    sources.SliceSource.read = counting
+    try:
+        yield seen
+    finally:
+        sources.SliceSource.read = real
+
+
+def raised(fn, *args) -> tuple[str, str]:
+    """``(exception class name, message)`` of ``fn(*args)``, or ``("no error", "")``: what a rank
+    raised, for tests that compare every rank's error."""
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - the caller compares what every rank raised
+        return type(e).__name__, str(e)
+    return "no error", ""

@@ -25,6 +25,8 @@ transformers = pytest.importorskip("transformers")
 
 from fsdptk.hf import from_pretrained  # noqa: E402
 
+from _counting import file_reads, raised  # noqa: E402
+
 _ATOL = 1e-5
 _LR = 1e-2
 _BATCH, _SEQ = 4, 8
@@ -137,31 +139,15 @@ def _load_train_save(src: str, dims_kw, out: str) -> dict:
 
 
 def _error(src: str) -> tuple[str, str]:
-    try:
-        from_pretrained(src)
-    except Exception as e:  # noqa: BLE001 - the test compares what every rank raised
-        return type(e).__name__, str(e)
-    return "no error", ""
+    return raised(from_pretrained, src)
 
 
 def _reads(src: str, dims_kw) -> list[tuple[str, tuple[int, ...], int]]:
     """(checkpoint key, shape read, bytes) of every read this rank makes from the files."""
     from fsdptk import ParallelDims
-    from fsdptk._engine import sources
 
-    seen: list[tuple[str, tuple[int, ...], int]] = []
-    real = sources.SliceSource.read
-
-    def counting(self, key, box=None):
-        out = real(self, key, box)
-        seen.append((key, tuple(out.shape), out.numel() * out.element_size()))
-        return out
-
-    sources.SliceSource.read = counting
-    try:
+    with file_reads() as seen:
         from_pretrained(src, dims=None if dims_kw is None else ParallelDims(**dims_kw))
-    finally:
-        sources.SliceSource.read = real
     return seen
 
 

@@ -30,6 +30,8 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from fsdptk.hf import from_pretrained  # noqa: E402
 
+from _counting import file_reads, raised  # noqa: E402
+
 _ATOL = 1e-5
 _FP8_MAX = 448.0
 _BATCH = torch.randint(3, 250, (2, 8), generator=torch.Generator().manual_seed(7))
@@ -238,22 +240,9 @@ def test_ragged_block_grids_equal_the_reference_dequantization(world, tmp_path, 
 
 
 def _reads(path: str) -> list[tuple[str, int]]:
-    from fsdptk._engine import sources
-
-    seen: list[tuple[str, int]] = []
-    real = sources.SliceSource.read
-
-    def counting(self, key, box=None):
-        out = real(self, key, box)
-        seen.append((key, out.numel() * out.element_size()))
-        return out
-
-    sources.SliceSource.read = counting
-    try:
+    with file_reads() as seen:
         from_pretrained(path, dtype=torch.float32)
-    finally:
-        sources.SliceSource.read = real
-    return seen
+    return [(k, n) for k, _, n in seen]
 
 
 def test_each_rank_reads_its_share_of_the_quantized_bytes_and_scales(world, release):
@@ -280,11 +269,7 @@ def test_each_rank_reads_its_share_of_the_quantized_bytes_and_scales(world, rele
 
 
 def _error(path: str) -> tuple[str, str]:
-    try:
-        from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 - the test compares what every rank raised
-        return type(e).__name__, str(e)
-    return "no error", ""
+    return raised(from_pretrained, path)
 
 
 @pytest.mark.parametrize("breakage, needles", [

@@ -282,9 +282,13 @@ PEER_S = PEER_LAYERS * (PEER_DIM * PEER_DIM + PEER_DIM) * 4
 N = HOSTS * PER_HOST
 # A step whose formula is 0 has moved up to 380 KB across the hosts here: both HF loads build
 # their device meshes inside the call (17-82 KB), and now and then a step carries 250-330 KB more
-# from a source not identified (docs/scale.md). Allowed: 1 MiB, half the HF model's embedding alone
-# (2.1 MB; S = 5 MB): a shard-on-read load that sent the model across would still fail.
-PEER_ZERO_ALLOWANCE = 1024 * 1024
+# from a source not identified (docs/scale.md). On 2026-11-26 fsdptk-hf's shard-on-read step
+# carried 1,103,724 and 1,104,768 bytes in two full-suite runs (one on each leg; 52-60 KB in every
+# run of this test alone): about 1 MiB more, again from a source not identified. Allowed: 1.5 MiB,
+# below the HF model's embedding alone (2.1 MB; S = 5 MB; rank 0 reading and sending the model
+# would move S / 2 = 2.5 MB): a shard-on-read load that sent the model, or its embedding, across
+# would still fail.
+PEER_ZERO_ALLOWANCE = 3 * 512 * 1024
 
 
 def _peer_formula(mesh: str, method: str, scenario: str, s: float, s_hf: float) -> float:
