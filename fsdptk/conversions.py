@@ -233,6 +233,12 @@ def resolve_load(model: Any, conversion: ConversionArg, metas: Mapping[str, Any]
 
     if not is_hf_model(model):
         return None
+    from fsdptk._plans.hf_convert import quantization
+
+    if quantization(model) is None and set(metas) <= set(model.state_dict(keep_vars=True)):
+        # every checkpoint key is a model key: nothing to convert, and no need for transformers'
+        # rule table (building it compiles every family's patterns: 0.16 s once per process)
+        return None
     from fsdptk._engine.sources import TensorMeta
 
     as_metas = {k: m if isinstance(m, TensorMeta) else TensorMeta(tuple(m[0]), m[1]) for k, m in metas.items()}
