@@ -39,6 +39,7 @@ _LAZY: dict[str, str] = {
     "hf_meta_model": "hf", "save_hf_config": "hf",
     "prepare_mha_for_tp": "tp", "apply_tp": "tp", "build_tp_plan": "tp_plan", "llama_tp_plan": "tp_plan",
     "hf_tp_plan": "hf",
+    "apply_ep": "ep", "expert_modules": "ep",
     # one exception module (each class also importable from the module that raises it)
     "StateDictMismatchError": "errors", "CheckpointLockedError": "errors", "ConversionError": "errors",
 }

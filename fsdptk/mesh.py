@@ -1,9 +1,25 @@
-"""Parallelism degrees -> a named DeviceMesh, and the sub-meshes FSDP and tensor parallel use.
+"""Parallelism degrees -> a named DeviceMesh, and the sub-meshes FSDP, tensor parallel and expert
+parallel use.
 
-:class:`ParallelDims` holds three degrees: ``dp_replicate`` (HSDP replica groups), ``dp_shard``
-(FSDP shard groups) and ``tp`` (tensor parallel). Their product must be the world size; one
-``dp_shard=-1`` is inferred. :meth:`ParallelDims.build_mesh` builds the mesh once and then
-:attr:`~ParallelDims.fsdp_mesh` / :attr:`~ParallelDims.tp_mesh` hand out the right slices.
+:class:`ParallelDims` holds three degrees of the dense model: ``dp_replicate`` (HSDP replica
+groups), ``dp_shard`` (FSDP shard groups) and ``tp`` (tensor parallel). Their product must be the
+world size; one ``dp_shard=-1`` is inferred. :meth:`ParallelDims.build_mesh` builds the mesh once
+and then :attr:`~ParallelDims.fsdp_mesh` / :attr:`~ParallelDims.tp_mesh` hand out the right slices.
+
+A fourth degree, ``ep`` (expert parallel), borrows ranks from data and tensor parallelism, as
+transformers and torchtitan do: the ``dp_shard * tp`` ranks of one replica are seen a second way,
+as ``efsdp`` groups of ``ep`` ranks. The ``ep`` ranks of a group hold different experts (together
+all of them) and exchange tokens; the ``efsdp = dp_shard * tp / ep`` ranks at the same position
+of every group hold the same experts and FSDP-shard them between each other. With ``ep > 1``
+:meth:`~ParallelDims.build_mesh` also builds this expert mesh (``dp_replicate``, ``efsdp``,
+``ep``), handed out by :attr:`~ParallelDims.ep_mesh` and :attr:`~ParallelDims.expert_fsdp_mesh`.
+``ep`` is innermost and a multiple of ``tp``, so an EP group is whole TP groups (ranks that share a
+batch) side by side. Example, 8 ranks, ``dp_shard=4, tp=2, ep=4``::
+
+    rank            0    1    2    3    4    5    6    7
+    dense  dp_shard 0    0    1    1    2    2    3    3      (tp: 0 1 0 1 ...)
+    expert ep       0    1    2    3    0    1    2    3      experts E0-1 E2-3 E4-5 E6-7 E0-1 ...
+           efsdp    0    0    0    0    1    1    1    1      (ranks 0 and 4 shard E0-1 between them)
 
 Mesh layout (outermost to innermost, as torchtitan): ``dp_replicate``, ``dp_shard``, ``tp``. TP is
 innermost so that its ranks are adjacent (the same host), where its many small collectives are
@@ -30,6 +46,7 @@ __all__ = ["ParallelDims"]
 _log = logging.getLogger(__name__)
 
 _DIM_ORDER = ("dp_replicate", "dp_shard", "tp")
+_EXPERT_DIM_ORDER = ("dp_replicate", "efsdp", "ep")
 
 
 def _check_degree(name: str, value: object, *, allow_infer: bool) -> None:
@@ -43,10 +60,14 @@ def _check_degree(name: str, value: object, *, allow_infer: bool) -> None:
 
 @dataclass
 class ParallelDims:
-    """Degrees of data parallelism (replicate x shard) and tensor parallelism.
+    """Degrees of data parallelism (replicate x shard), tensor parallelism and expert parallelism.
 
     ``dp_replicate * dp_shard * tp`` must equal the world size. ``dp_shard=-1`` (the default) takes
     whatever the other degrees leave. After construction every degree is a positive int.
+    ``ep`` (keyword only, so positional calls of the three dense degrees keep their meaning) takes
+    no ranks of its own: it must divide ``dp_shard * tp`` and be a multiple of ``tp`` (see the
+    module docstring); it must also divide each MoE layer's number of experts, which
+    :func:`fsdptk.apply_ep` checks.
 
     Args:
         dp_replicate: number of HSDP replica groups (1: plain FSDP).
@@ -54,12 +75,14 @@ class ParallelDims:
         tp: tensor-parallel degree.
         world_size: total number of ranks; ``None`` reads it from the default process group (1 when
             there is none).
+        ep: expert-parallel degree: ranks that hold different experts and exchange tokens
+            (1: every rank holds every expert, FSDP-sharded like the dense parameters).
 
     Raises:
         TypeError: when a degree is not an int.
         ValueError: when a degree is < 1 (other than ``dp_shard=-1``), when ``dp_shard=-1`` cannot
-            be inferred exactly, or when the product is not the world size; the message names every
-            degree and the world size.
+            be inferred exactly, when the product is not the world size, or when ``ep`` does not
+            divide ``dp_shard * tp`` or is not a multiple of ``tp``; the message names the numbers.
 
     Examples:
         >>> from fsdptk import ParallelDims
@@ -72,13 +95,22 @@ class ParallelDims:
         Traceback (most recent call last):
         ...
         ValueError: dp_replicate (1) * dp_shard (3) * tp (1) = 3 != world size (4)
+        >>> dims = ParallelDims(dp_shard=4, ep=2, world_size=4)
+        >>> dims.efsdp, dims.expert_mesh_dim_names, dims.expert_mesh_shape
+        (2, ('efsdp', 'ep'), (2, 2))
+        >>> ParallelDims(dp_shard=2, tp=2, ep=3, world_size=4)
+        Traceback (most recent call last):
+        ...
+        ValueError: ep (3) must divide dp_shard * tp (2 * 2 = 4): expert parallelism borrows the ranks of data and tensor parallelism
     """
 
     dp_replicate: int = 1
     dp_shard: int = -1
     tp: int = 1
     world_size: int | None = None
+    ep: int = field(default=1, kw_only=True)
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
+    _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_degree("dp_replicate", self.dp_replicate, allow_infer=False)
@@ -101,6 +133,16 @@ class ParallelDims:
         product = self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             raise ValueError(f"{degrees} = {product} != world size ({self.world_size})")
+        _check_degree("ep", self.ep, allow_infer=False)
+        borrowed = self.dp_shard * self.tp
+        if borrowed % self.ep:
+            raise ValueError(
+                f"ep ({self.ep}) must divide dp_shard * tp ({self.dp_shard} * {self.tp} = "
+                f"{borrowed}): expert parallelism borrows the ranks of data and tensor parallelism")
+        if self.ep % self.tp:
+            raise ValueError(
+                f"ep ({self.ep}) must be a multiple of tp ({self.tp}): the ranks of a TP group "
+                "share one batch, so an expert-parallel group holds whole TP groups")
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -117,6 +159,26 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         """True when ``tp > 1``."""
         return self.tp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        """True when ``ep > 1``: experts are sharded over the expert mesh."""
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """Ranks that hold the same experts and FSDP-shard them (``dp_shard * tp // ep``)."""
+        return self.dp_shard * self.tp // self.ep
+
+    @property
+    def expert_mesh_dim_names(self) -> tuple[str, ...]:
+        """The expert mesh's dims, outermost first: ``dp_replicate`` (when > 1), ``efsdp``, ``ep``."""
+        return tuple(n for n in _EXPERT_DIM_ORDER if n != "dp_replicate" or self.dp_replicate > 1)
+
+    @property
+    def expert_mesh_shape(self) -> tuple[int, ...]:
+        """Sizes of :attr:`expert_mesh_dim_names`, in the same order."""
+        return tuple(getattr(self, n) for n in self.expert_mesh_dim_names)
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...]:
@@ -171,9 +233,13 @@ class ParallelDims:
                 f"{self.world_size} (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, "
                 f"tp={self.tp})"
             )
-        self._mesh = init_device_mesh(
-            device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names
-        )
+        mesh = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.mesh_dim_names)
+        if self.ep_enabled:  # the same ranks in the same order, seen as (replicate, efsdp, ep)
+            self._expert_mesh = init_device_mesh(device_type, self.expert_mesh_shape,
+                                                 mesh_dim_names=self.expert_mesh_dim_names)
+            log_rank0(_log, "Built %s expert mesh %s with dims %s", device_type,
+                      self.expert_mesh_shape, self.expert_mesh_dim_names)
+        self._mesh = mesh
         log_rank0(_log, "Built %s device mesh %s with dims %s", device_type, self.mesh_shape,
                   self.mesh_dim_names)
         return self._mesh
@@ -205,6 +271,34 @@ class ParallelDims:
                 f"dp_shard={self.dp_shard}); check ParallelDims.tp_enabled first"
             )
         return self.mesh["tp"]
+
+    @property
+    def expert_mesh(self) -> DeviceMesh:
+        """The expert mesh (:attr:`expert_mesh_dim_names`) that :meth:`build_mesh` built beside the
+        dense one; ValueError when ``ep == 1``."""
+        if not self.ep_enabled:
+            raise ValueError(
+                f"there is no expert mesh: ep=1 (dp_replicate={self.dp_replicate}, "
+                f"dp_shard={self.dp_shard}, tp={self.tp}); check ParallelDims.ep_enabled first")
+        if self._expert_mesh is None:
+            raise RuntimeError("call ParallelDims.build_mesh(device_type) before using its meshes")
+        return self._expert_mesh
+
+    @property
+    def ep_mesh(self) -> DeviceMesh:
+        """The 1-D ``ep`` mesh: pass it to :func:`fsdptk.apply_ep`. ValueError when ``ep == 1``."""
+        return self.expert_mesh["ep"]
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh the experts are FSDP-sharded over: pass it to ``shard_model(expert_dp_mesh=...)``.
+
+        1-D ``efsdp``, or 2-D ``(dp_replicate, efsdp)`` with HSDP. ValueError when ``ep == 1``.
+        """
+        mesh = self.expert_mesh
+        if self.hsdp_enabled:
+            return mesh["dp_replicate", "efsdp"]
+        return mesh["efsdp"]
 
     @property
     def dp_rank(self) -> int:

@@ -104,6 +104,44 @@ def _target(unit: Unit) -> nn.Module | list[nn.Module]:
     return unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
 
 
+def _backend(mesh: DeviceMesh | None) -> str:
+    import torch.distributed as dist
+
+    if mesh is None:
+        return str(dist.get_backend())
+    return str(dist.get_backend(mesh.get_group(mesh.ndim - 1)))
+
+
+def _expert_units(model: nn.Module, expert_dp_mesh: DeviceMesh | None
+                  ) -> list[tuple[str, nn.Module]]:
+    """The expert-parallel modules (:func:`fsdptk.apply_ep`), checked against ``expert_dp_mesh``."""
+    from fsdptk._plans.ep_styles import experts_info
+
+    found = [(f, m) for f, m in model.named_modules() if experts_info(m) is not None]
+    if expert_dp_mesh is not None and not isinstance(expert_dp_mesh, DeviceMesh):
+        raise TypeError(f"expert_dp_mesh must be a DeviceMesh, got {type(expert_dp_mesh).__name__}")
+    if found and expert_dp_mesh is None:
+        raise ValueError(
+            f"{len(found)} modules are expert-parallel ({found[0][0]}, ...): pass "
+            "expert_dp_mesh=dims.expert_fsdp_mesh so FSDP shards them over the ranks that hold the "
+            "same experts")
+    if expert_dp_mesh is None:
+        return found
+    if not found:
+        raise ValueError("expert_dp_mesh was given but no module is expert-parallel: call "
+                         "fsdptk.apply_ep first, or leave expert_dp_mesh out")
+    if expert_dp_mesh.ndim not in (1, 2):
+        raise ValueError(f"expert_dp_mesh must be 1-D (efsdp) or 2-D (dp_replicate, efsdp), got "
+                         f"dims {expert_dp_mesh.mesh_dim_names}")
+    ep_mesh = experts_info(found[0][1]).ep_mesh  # type: ignore[union-attr]
+    if ep_mesh._get_root_mesh() is not expert_dp_mesh._get_root_mesh():
+        raise ValueError(
+            f"expert_dp_mesh (dims {expert_dp_mesh.mesh_dim_names}) is not a slice of the mesh the "
+            f"experts' ep mesh comes from: pass ParallelDims.expert_fsdp_mesh of the dims whose "
+            "ep_mesh apply_ep got")
+    return found
+
+
 def _set_prefetch(units: list[FSDPModule], forward: int, backward: int) -> None:
     """Explicit prefetch over units in forward order: each unit gathers the next ``forward`` units
     in forward and the previous ``backward`` units (in backward order) in backward."""
@@ -130,6 +168,7 @@ def shard_model(
     backward_prefetch: int = 0,
     shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
     root_reshard_after_forward: bool | None = None,
+    expert_dp_mesh: DeviceMesh | None = None,
 ) -> ShardingPlan:
     """Apply FSDP2 ``fully_shard`` to every module a condition matches (bottom-up), then the root.
 
@@ -172,6 +211,12 @@ def shard_model(
             the root when ``fully_shard`` gets no ``reshard_after_forward``), but then build the
             optimizer before the first forward and call ``model.reshard()`` before reading a
             state dict after a forward without backward.
+        expert_dp_mesh: with expert parallelism (:func:`fsdptk.apply_ep`), the mesh the experts
+            are FSDP-sharded over: :attr:`fsdptk.ParallelDims.expert_fsdp_mesh` (``efsdp``, or
+            ``(dp_replicate, efsdp)`` with HSDP). Each experts module becomes a unit of its own,
+            sharded first, with the same options; its gradients are divided by the dense
+            data-parallel size (``dp_mesh``'s size), not the expert mesh's, because every rank's
+            tokens reach the experts, so the experts' gradients match the dense model's.
 
     Returns:
         ShardingPlan: the applied units (see :func:`describe_sharding`); ``print`` it for a table.
@@ -179,7 +224,9 @@ def shard_model(
     Raises:
         ValueError: when no module matches (names the conditions), a matched module cannot be an
             FSDP unit, the model is already sharded, a parameter is 0-dim, ``dp_mesh`` is not 1-D
-            or 2-D, or a prefetch depth is not an int >= 0.
+            or 2-D, or a prefetch depth is not an int >= 0; when the model has expert-parallel
+            modules and no ``expert_dp_mesh`` (or one without them), or ``expert_dp_mesh`` is not
+            of the experts' mesh.
         ShardConditionError: when a condition raises; names the condition and the module FQN.
         RuntimeError: when ``cpu_offload=True`` without an accelerator, or without a mesh and a
             process group. In every error case the model is left unchanged.
@@ -196,6 +243,7 @@ def shard_model(
     _check_options(cpu_offload, dp_mesh, forward_prefetch, backward_prefetch, mp_policy,
                    root_reshard_after_forward)
     plan = make_plan(model, shard_conditions)
+    experts = _expert_units(model, expert_dp_mesh)
     world_size = _shard_world_size(dp_mesh)
     summary = summarise(plan, world_size)
 
@@ -206,6 +254,17 @@ def shard_model(
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
         "shard_placement_fn": shard_placement_fn,
     }
+    # The experts first (innermost), over their own mesh; their gradients averaged like the dense
+    # ones: over every data-parallel rank (all of whose tokens reach the experts).
+    dense_dp = dp_mesh.size() if dp_mesh is not None else world()[0]
+    for fqn, module in experts:
+        fully_shard(module, **{**kwargs, "mesh": expert_dp_mesh})
+        module.set_gradient_divide_factor(float(dense_dp))  # type: ignore[operator]
+        if _backend(expert_dp_mesh) != "nccl":  # PreMulSum is NCCL's: sum, then divide apart
+            module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        log_rank0(_log, "fully_shard(%s) over the expert mesh %s", fqn,
+                  tuple(expert_dp_mesh.shape) if expert_dp_mesh is not None else None,
+                  level=logging.DEBUG)
     # Bottom-up: a unit must be sharded before any unit that contains it, so that the outer unit
     # skips the inner unit's parameters. Reverse registration order guarantees that (tied groups
     # are ordered by their first member, which is valid because the planner only groups modules

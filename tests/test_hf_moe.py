@@ -62,31 +62,34 @@ def _batch() -> torch.Tensor:
 _REFS: dict[str, dict] = {}
 
 
+def build_reference(tmp_path_factory, family: str) -> dict:
+    """A save_pretrained directory of ``family`` (the Hub layout), transformers' single-process
+    logits and whole-batch loss, and its logits and state dict after one SGD step (built once per
+    session; tests/test_ep.py uses it too)."""
+    if family not in _REFS:
+        root = tmp_path_factory.mktemp(family)
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(_config(family)).save_pretrained(root)
+        model = transformers.AutoModelForCausalLM.from_pretrained(root)
+        batch = _batch()
+        with torch.no_grad():
+            logits = model(input_ids=batch).logits
+        model.train()
+        opt = torch.optim.SGD(model.parameters(), lr=_LR)
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        model.eval()
+        _REFS[family] = {"src": root, "logits": logits, "loss": loss.item(),
+                         "trained": _logits(model, batch),
+                         "trained_sd": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return _REFS[family]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """family -> a save_pretrained directory (the Hub layout), transformers' single-process
-    logits and whole-batch loss."""
-
-    def get(family: str) -> dict:
-        if family not in _REFS:
-            root = tmp_path_factory.mktemp(family)
-            torch.manual_seed(0)
-            transformers.AutoModelForCausalLM.from_config(_config(family)).save_pretrained(root)
-            model = transformers.AutoModelForCausalLM.from_pretrained(root)
-            batch = _batch()
-            with torch.no_grad():
-                logits = model(input_ids=batch).logits
-            model.train()
-            opt = torch.optim.SGD(model.parameters(), lr=_LR)
-            loss = model(input_ids=batch, labels=batch).loss
-            loss.backward()
-            opt.step()
-            model.eval()
-            _REFS[family] = {"src": root, "logits": logits, "loss": loss.item(),
-                             "trained": _logits(model, batch)}
-        return _REFS[family]
-
-    return get
+    """family -> :func:`build_reference`."""
+    return lambda family: build_reference(tmp_path_factory, family)
 
 
 def _files(path) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from fsdptk._files.hf_config import stage_hf_config
 if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["save_hf_config", "hf_meta_model", "hf_tp_plan"]
+__all__ = ["save_hf_config", "hf_meta_model", "hf_tp_plan", "hf_ep_plan"]
 
 PathLike = str | os.PathLike[str]
 
@@ -198,3 +198,41 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str
     from fsdptk._plans.hf_tp import translate_plan
 
     return translate_plan(model, sequence_parallel=sequence_parallel)
+
+
+def hf_ep_plan(model: nn.Module) -> list[str]:
+    """The experts modules of a transformers model's own expert-parallel plan, for
+    :func:`fsdptk.apply_ep`.
+
+    Reads ``model.ep_plan`` (the config's ``base_model_ep_plan``: ``"ep_dispatch_experts"`` on each
+    experts module, ``"grouped_gemm"`` (``Shard(0)`` on the experts dim) on each of its
+    parameters), matches its wildcard rules against the model's module FQNs the way transformers
+    does, and checks that every parameter of each experts module has its ``grouped_gemm`` rule.
+    The model is only read.
+
+    With tensor parallelism too, leave the experts out of the TP plan: drop the entries of
+    :func:`hf_tp_plan` at or under these FQNs (transformers' EP rules take precedence over its TP
+    rules for the same modules the same way); :func:`fsdptk.hf.from_pretrained` does this.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` (any device, including meta).
+
+    Returns:
+        list[str]: the experts modules' FQNs, in ``named_modules`` order.
+
+    Raises:
+        TypeError: if ``model`` is not an ``nn.Module``.
+        ValueError: if the model declares no EP plan, a style string has no translation, no module
+            matches, or a parameter of an experts module has no ``grouped_gemm`` rule.
+
+    Examples:
+        >>> from transformers import Qwen3MoeConfig
+        >>> model = hf_meta_model(Qwen3MoeConfig(hidden_size=64, intermediate_size=64,
+        ...     moe_intermediate_size=16, num_experts=4, num_hidden_layers=2,
+        ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=256))
+        >>> hf_ep_plan(model)
+        ['model.layers.0.mlp.experts', 'model.layers.1.mlp.experts']
+    """
+    from fsdptk._plans.hf_ep import experts_from_plan
+
+    return experts_from_plan(model)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
-from fsdptk.hf.build import _transformers, hf_meta_model, hf_tp_plan
+from fsdptk.hf.build import _transformers, hf_ep_plan, hf_meta_model, hf_tp_plan
 from fsdptk.predicates import no_split_modules
 
 if TYPE_CHECKING:
@@ -124,6 +124,17 @@ def _meta_model_on_every_rank(directory: Path, dims: ParallelDims | None, dtype:
     return model, dims
 
 
+def _check_experts(model: nn.Module, experts: list[str], ep: int) -> None:
+    """ep must divide every experts module's count: checked before the TP plan changes anything."""
+    modules = dict(model.named_modules())
+    for fqn in experts:
+        counts = {p.shape[0] for p in modules[fqn].parameters() if p.dim()}
+        for n in sorted(counts):
+            if n % ep:
+                raise ValueError(f"experts module '{fqn}' ({type(modules[fqn]).__name__}): ep ({ep}) "
+                                 f"must divide its number of experts ({n})")
+
+
 def _read_generation_config(model: nn.Module, directory: Path) -> None:
     """``generation_config.json`` onto the model, as transformers' ``from_pretrained`` does."""
     if not (directory / "generation_config.json").is_file():
@@ -153,12 +164,17 @@ def from_pretrained(
         dims = dims or ParallelDims()                          # FSDP over the whole world
         model = hf_meta_model(path, dtype=dtype)               # config.json -> model on meta
         mesh = dims.build_mesh(device.type)
+        experts = hf_ep_plan(model) if dims.ep > 1 else []     # the model's own EP plan
         if dims.tp > 1:                                        # TP first: FSDP shards TP's DTensors
-            apply_tp(model, dims.tp_mesh, hf_tp_plan(model))   # the model's own plan
+            apply_tp(model, dims.tp_mesh, {f: s for f, s in hf_tp_plan(model).items()
+                                           if f not in experts (nor under them)})
+        if dims.ep > 1:                                        # experts Shard(0) over ep
+            apply_ep(model, dims.ep_mesh, experts, tp_mesh=dims.tp_mesh if dims.tp > 1 else None)
         if activation_checkpointing:                           # AC before FSDP
             apply_activation_checkpointing(model, no_split_modules(model))
         shard_model(model, no_split_modules(model), cpu_offload=False,
-                    dp_mesh=dims.fsdp_mesh, mp_policy=mp_policy)   # HSDP when dp_replicate > 1
+                    dp_mesh=dims.fsdp_mesh, mp_policy=mp_policy,   # HSDP when dp_replicate > 1
+                    expert_dp_mesh=dims.expert_fsdp_mesh if dims.ep > 1 else None)
         load_safetensors(model, path, device=device, shard_on_read=shard_on_read, strict=True)
         model.eval()                                           # as transformers returns it
 
@@ -184,8 +200,10 @@ def from_pretrained(
             ``model.safetensors.index.json``), e.g. a ``save_pretrained`` or ``save_safetensors``
             directory or an HF-cache snapshot. Rank 0 must see it; a rank that does not (files on
             rank 0's host only) gets rank 0's config and its weights from rank 0.
-        dims: the parallel degrees (``ParallelDims(dp_replicate=..., dp_shard=..., tp=...)``);
-            ``None``: FSDP over every rank. Keep your own to read ``dims.dp_rank`` for the batch.
+        dims: the parallel degrees (``ParallelDims(dp_replicate=..., dp_shard=..., tp=...,
+            ep=...)``); ``None``: FSDP over every rank. Keep your own to read ``dims.dp_rank`` for
+            the batch. ``ep > 1`` shards an MoE model's experts by its own EP plan
+            (:func:`fsdptk.hf.hf_ep_plan`, docs/expert_parallel.md).
         dtype: the parameters' dtype (default: the config's ``dtype``, else float32); the file's
             values are cast to it.
         mp_policy: FSDP2's ``MixedPrecisionPolicy`` for every unit (``None``: full precision).
@@ -208,8 +226,9 @@ def from_pretrained(
     Raises:
         FileNotFoundError: no directory or no ``config.json`` on rank 0, or a missing weight file.
         ValueError: dims that do not match the world size, heads the TP size does not divide, a
-            model without a TP plan (``tp > 1``) or without ``_no_split_modules``, an unknown
-            ``model_type``; ``mp_policy`` without a process group.
+            model without a TP plan (``tp > 1``), without an EP plan (``ep > 1``; also an ``ep``
+            that does not divide the number of experts) or without ``_no_split_modules``, an
+            unknown ``model_type``; ``mp_policy`` without a process group.
         StateDictMismatchError: the files' keys are not the model's (strict load).
         TypeError: an argument of the wrong type.
 
@@ -259,6 +278,7 @@ def _from_pretrained(directory: Path, dims: ParallelDims | None, dtype: torch.dt
     from fsdptk._files.common import infer_device
     from fsdptk.activation import apply_activation_checkpointing
     from fsdptk.checkpoint import load_safetensors
+    from fsdptk.ep import apply_ep
     from fsdptk.sharding import shard_model
     from fsdptk.tp import apply_tp
 
@@ -271,14 +291,23 @@ def _from_pretrained(directory: Path, dims: ParallelDims | None, dtype: torch.dt
     units = no_split_modules(model)
     if has_process_group():
         dims.build_mesh(device.type)
-    with agreed():  # every check of TP, AC and FSDP runs before any weight is read
+    with agreed():  # every check of TP, EP, AC and FSDP runs before any weight is read
+        experts = hf_ep_plan(model) if dims.ep_enabled else []
+        if experts:
+            _check_experts(model, experts, dims.ep)
         if dims.tp_enabled:
-            apply_tp(model, dims.tp_mesh, hf_tp_plan(model))
+            plan = hf_tp_plan(model)
+            apply_tp(model, dims.tp_mesh, {f: s for f, s in plan.items()
+                                           if not any(f == e or f.startswith(e + ".") for e in experts)})
+        if experts:
+            apply_ep(model, dims.ep_mesh, experts,
+                     tp_mesh=dims.tp_mesh if dims.tp_enabled else None)
         if activation_checkpointing:
             apply_activation_checkpointing(model, units)
         if has_process_group():
             shard_model(model, units, cpu_offload=False, dp_mesh=dims.fsdp_mesh,
-                        mp_policy=mp_policy)
+                        mp_policy=mp_policy,
+                        expert_dp_mesh=dims.expert_fsdp_mesh if experts else None)
     load_safetensors(model, directory, device=device, shard_on_read=shard_on_read, strict=True)
     model.eval()
     return model
