@@ -49,7 +49,8 @@ from .runner import REPO, launch_workers
 __all__ = ["MESHES", "METHODS", "main", "llama_config", "estimate_bytes", "check_pair"]
 
 METHODS = ["transformers", "fsdptk"]
-MESHES = {"fsdp": "FSDP over every rank", "fsdp-tp2": "FSDP x TP, tp = 2 (dp_shard = ranks / 2)"}
+MESHES = {"fsdp": "FSDP over every rank", "fsdp-tp2": "FSDP x TP, tp = 2 (dp_shard = ranks / 2)",
+          "fsdp-ep2": "FSDP x EP, ep = 2 (MoE models: experts over 2 ranks, FSDP over the other ranks / 2)"}
 _GENERATOR = 1  # bump when the checkpoint's values change (invalidates cached checkpoints)
 # logits of the two loads: fp32, sharded reductions round differently
 _RTOL, _ATOL = 1e-4, 1e-5
@@ -119,13 +120,19 @@ def _param_bytes(cfg: dict[str, Any]) -> int:
     return 4 * (2 * v * h + n * per_layer + h)
 
 
-def _mesh_dims(mesh: str, world: int) -> tuple[int, int] | str:
-    """(dp_shard, tp) of ``mesh`` at ``world`` ranks, or why it does not apply."""
+def _mesh_dims(mesh: str, world: int, model: str = "llama") -> tuple[int, int, int] | str:
+    """(dp_shard, tp, ep) of ``mesh`` at ``world`` ranks, or why it does not apply."""
     if mesh == "fsdp":
-        return world, 1
+        return world, 1, 1
+    if mesh == "fsdp-ep2":
+        if "moe" not in model:
+            return f"expert parallelism needs an MoE model, not --model {model}"
+        if world < 4 or world % 2:
+            return f"FSDP x EP with ep = 2 needs an even world of at least 4 ranks (efsdp >= 2), not {world}"
+        return world, 1, 2
     if world < 4 or world % 2:
         return f"FSDP x TP with tp = 2 needs an even world of at least 4 ranks (dp_shard >= 2), not {world}"
-    return world // 2, 2
+    return world // 2, 2, 1
 
 
 def estimate_bytes(method: str, model_bytes: int, world: int, *, heap_kept: bool = False) -> int:
@@ -219,9 +226,10 @@ def check_pair(dirs: dict[str, Path], source: Path) -> dict[str, Any]:
     return out
 
 
-def _run_one(method: str, mesh: str, world: int, dims: tuple[int, int], size: float, ckpt: Path, meta: dict,
+def _run_one(method: str, mesh: str, world: int, dims: tuple[int, int, int], size: float, ckpt: Path, meta: dict,
              rep: int, args: argparse.Namespace, runs: Path, clock: str = "warm") -> dict[str, Any]:
     rec: dict[str, Any] = {"method": method, "mesh": mesh, "world": world, "dp_shard": dims[0], "tp": dims[1],
+                           "ep": dims[2],
                            "size_gb": size, "model_bytes": meta["model_bytes"], "repeat": rep, "clock": clock,
                            "model": args.model, "file_bytes": meta.get("file_bytes")}
     est = estimate_bytes(method, meta["model_bytes"], world, heap_kept=args.malloc_mmap_threshold <= 0)
@@ -231,7 +239,7 @@ def _run_one(method: str, mesh: str, world: int, dims: tuple[int, int], size: fl
                     error=f"needs ~{est / 1e9:.1f} GB over all ranks, {avail / 1e9:.1f} GB available now")
     out = runs / f"{mesh}-w{world}-{size:g}GB-r{rep}-{clock}-{method}"
     shutil.rmtree(out, ignore_errors=True)
-    spec = {"method": method, "dp_shard": dims[0], "tp": dims[1], "ckpt_dir": str(ckpt),
+    spec = {"method": method, "dp_shard": dims[0], "tp": dims[1], "ep": dims[2], "ckpt_dir": str(ckpt),
             "batch": list(args.batch), "optimizer": args.optimizer,
             "optimizer_after": args.optimizer_after, "skip_step": args.skip_step and clock == "warm",
             "save_dir": str(out / "saved"), "imports": "union" if clock == "warm" else "own",
@@ -280,7 +288,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ckpt, meta = _prepare(size, work, args.timeout, args.model)
         for world in args.worlds:
             for mesh in args.meshes:
-                dims = _mesh_dims(mesh, world)
+                dims = _mesh_dims(mesh, world, args.model)
                 if isinstance(dims, str):
                     records += [{"method": m, "mesh": mesh, "world": world, "size_gb": size,
                                  "model_bytes": meta["model_bytes"], "repeat": 0, "status": "n/a", "error": dims,

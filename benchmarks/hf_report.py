@@ -100,7 +100,7 @@ def _sort_key(key: tuple) -> tuple:
     return (list(MESH_ORDER).index(mesh) if mesh in MESH_ORDER else 9, world, size, method != "transformers")
 
 
-MESH_ORDER = ("fsdp", "fsdp-tp2")
+MESH_ORDER = ("fsdp", "fsdp-tp2", "fsdp-ep2")
 
 
 def _g(x: float | None, d: int = 2) -> str:
@@ -272,7 +272,7 @@ def not_ahead(rows: dict) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------
 _COLORS = {"fsdptk": "tab:blue", "transformers": "tab:red"}
-_STYLES = {"fsdp": "-", "fsdp-tp2": "--"}
+_STYLES = {"fsdp": "-", "fsdp-tp2": "--", "fsdp-ep2": ":"}
 _PANELS = [("load_s", "load (s)", 1), ("load_fwd_s", "load + first forward (s)", 1), ("save_s", "save (s)", 1),
            ("load_peak_rN", "peak RSS over load, max of ranks > 0 (GB)", GB),
            ("step_anon_r0", "RssAnon after train step, rank 0 (GB)", GB),

@@ -14,7 +14,8 @@ call to its return (max over ranks is taken by the driver), with a barrier betwe
    finished step (``cold_step_s``). ``gc.collect()`` runs before every clock; the driver reads the
    checkpoint's files into the page cache before every run, so both methods start from it hot;
 2. load: ``AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(
-   fsdp_size, tp_size))`` or ``fsdptk.hf.from_pretrained(path, dims=ParallelDims(dp_shard, tp))``;
+   fsdp_size, tp_size[, ep_size]))`` or ``fsdptk.hf.from_pretrained(path, dims=ParallelDims(dp_shard, tp,
+   ep=ep))``;
 3. first forward (``no_grad``) on a fixed batch: rank 0 writes the logits for the driver's check;
 4. one training step (the optimizer built right after the load, before the first forward, or
    after it with the spec's ``optimizer_after: forward``): forward with labels, backward, ``AdamW(lr=0).step()`` (the spec's
@@ -221,12 +222,13 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     preclock_imports(spec)
     import transformers  # both methods use it (fsdptk.hf builds the model with it)
 
-    method, dp_shard, tp = spec["method"], spec["dp_shard"], spec["tp"]
+    method, dp_shard, tp, ep = spec["method"], spec["dp_shard"], spec["tp"], spec.get("ep", 1)
     if method == "transformers":
         from transformers.distributed import DistributedConfig
 
         def load():
-            config = DistributedConfig(fsdp_size=dp_shard, tp_size=tp)
+            config = DistributedConfig(fsdp_size=dp_shard, tp_size=tp,
+                                       **({"ep_size": ep} if ep > 1 else {}))
             extra = {}
             if spec.get("quant") == "fp8":  # transformers' dequantizing load of an FP8 release
                 extra["quantization_config"] = transformers.FineGrainedFP8Config(dequantize=True)
@@ -240,7 +242,7 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         from fsdptk.hf import from_pretrained
 
         def load():
-            return from_pretrained(spec["ckpt_dir"], dims=fsdptk.ParallelDims(dp_shard=dp_shard, tp=tp))
+            return from_pretrained(spec["ckpt_dir"], dims=fsdptk.ParallelDims(dp_shard=dp_shard, tp=tp, ep=ep))
 
         def save(model, out):
             fsdptk.save_safetensors(model, out)

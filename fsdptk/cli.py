@@ -339,12 +339,46 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                   f"(the model's own tp_plan); bytes/rank is one rank's TP shard, FSDP-sharded")
         else:
             plan = describe_sharding(model, conditions, world_size=args.world_size)
+        ep_lines = _ep_lines(model, args) if args.ep > 1 else []
     except ValueError as e:
         raise errors.CLIError(str(e)) from e
     print(plan)
+    for line in ep_lines:
+        print(line)
     if hf:
         _print_layout(Path(args.model), model)
     return 0
+
+
+def _ep_lines(model: Any, args: argparse.Namespace) -> list[str]:
+    """The dense and expert meshes of ``--ep`` and what each rank holds of the experts."""
+    from fsdptk._plans.hf_ep import experts_from_plan
+    from fsdptk._plans.sharding import _fmt_bytes
+    from fsdptk.mesh import ParallelDims
+
+    if args.world_size % args.tp:
+        raise ValueError(f"tp ({args.tp}) must divide the world size ({args.world_size})")
+    dims = ParallelDims(dp_shard=args.world_size // args.tp, tp=args.tp, ep=args.ep,
+                        world_size=args.world_size)
+    experts = experts_from_plan(model)
+    counts = sorted({p.shape[0] for f in experts for p in model.get_submodule(f).parameters()})
+    for n in counts:
+        if n % dims.ep:
+            raise ValueError(f"ep ({dims.ep}) must divide the number of experts ({n})")
+    expert_bytes = sum(p.numel() * p.element_size() for f in experts
+                       for p in model.get_submodule(f).parameters())
+    per = ", ".join(f"{n // dims.ep}" for n in counts)
+    dense = " x ".join(f"{n} {s}" for n, s in zip(dims.mesh_dim_names, dims.mesh_shape))
+    expert = " x ".join(f"{n} {s}" for n, s in zip(dims.expert_mesh_dim_names, dims.expert_mesh_shape))
+    return [
+        f"Expert parallel: ep {dims.ep} (the model's own ep_plan: {len(experts)} experts modules of "
+        f"{', '.join(map(str, counts))} experts); the experts are not tensor-parallel",
+        f"  dense mesh:  {dense}",
+        f"  expert mesh: {expert}",
+        f"  each rank: {per} whole experts of each module, FSDP-sharded over efsdp {dims.efsdp} "
+        f"ranks: {_fmt_bytes(expert_bytes // (dims.dp_shard * dims.tp))} of the experts' "
+        f"{_fmt_bytes(expert_bytes)}",
+    ]
 
 
 def _print_layout(path: Path, model: Any) -> None:
@@ -450,6 +484,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor-parallel degree for a checkpoint directory: apply its own tp_plan "
                         "(fsdptk.hf_tp_plan), then FSDP over world-size / N ranks")
+    p.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="expert-parallel degree for an MoE checkpoint directory: print the dense and "
+                        "expert meshes and what each rank holds of the experts (its own ep_plan)")
 
     p = sub.add_parser("inspect", help="keys, shapes, dtypes and size of a checkpoint")
     p.add_argument("path", help=".safetensors file, directory of them, DCP directory, or .pt file")
@@ -511,6 +548,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"argument --world-size: must be >= 1, got {args.world_size}")
         if args.command == "plan" and args.tp < 1:
             parser.error(f"argument --tp: must be >= 1, got {args.tp}")
+        if args.command == "plan" and args.ep < 1:
+            parser.error(f"argument --ep: must be >= 1, got {args.ep}")
+        if args.command == "plan" and args.ep > 1 and not Path(args.model).exists():
+            parser.error("argument --ep needs a Hugging Face checkpoint directory (its own ep_plan)")
         if args.command == "demo" and args.nproc < 1:
             parser.error(f"argument --nproc: must be >= 1, got {args.nproc}")
     except SystemExit as e:  # argparse: 2 for bad arguments, 0 for --help

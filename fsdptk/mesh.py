@@ -139,7 +139,7 @@ class ParallelDims:
             raise ValueError(
                 f"ep ({self.ep}) must divide dp_shard * tp ({self.dp_shard} * {self.tp} = "
                 f"{borrowed}): expert parallelism borrows the ranks of data and tensor parallelism")
-        if self.ep % self.tp:
+        if self.ep > 1 and self.ep % self.tp:
             raise ValueError(
                 f"ep ({self.ep}) must be a multiple of tp ({self.tp}): the ranks of a TP group "
                 "share one batch, so an expert-parallel group holds whole TP groups")

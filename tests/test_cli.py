@@ -118,6 +118,23 @@ def test_plan_errors_exit_1(argv, message, capsys, monkeypatch):
     assert message in capsys.readouterr().err
 
 
+def test_plan_ep_prints_both_meshes_and_what_each_rank_holds(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                      num_experts=8, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=8, vocab_size=64)
+    cfg.save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path), "--world-size", "4", "--ep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Expert parallel: ep 2 (the model's own ep_plan: 2 experts modules of 8 experts)" in out
+    assert "dense mesh:  dp_shard 4" in out and "expert mesh: efsdp 2 x ep 2" in out
+    expert_bytes = 2 * 8 * (2 * 16 * 32 + 32 * 16) * 4  # 2 layers, 8 experts, gate_up + down, fp32
+    assert f"of the experts' {expert_bytes // 1024:.2f} KiB" in out
+    assert "4 whole experts of each module" in out
+    assert main(["plan", str(tmp_path), "--world-size", "4", "--ep", "3"]) == 1
+    assert "ep (3) must divide dp_shard * tp (4 * 1 = 4)" in capsys.readouterr().err
+
+
 # -- convert -------------------------------------------------------------------------------------
 def test_convert_round_trips_safetensors_through_dcp(tmp_path, capsys):
     sd = _tensors()

@@ -125,3 +125,60 @@ def test_mesh_errors_on_every_rank(world) -> None:
     assert "process group has 2 ranks but ParallelDims was built for world size 4" in res[0].message
     res = world(2).run(_tp_mesh_without_tp, return_exceptions=True)
     assert all(isinstance(r, RemoteError) and "no TP mesh: tp=1" in r.message for r in res)
+
+
+# ---------------------------------------------------------------------------------------------
+# expert parallelism: ep borrows the ranks of dp_shard and tp
+@given(_deg, _deg, _deg, st.integers(1, 8))
+def test_ep_divides_dp_shard_times_tp_and_is_a_multiple_of_tp(rep: int, shard: int, tp: int, ep: int) -> None:
+    world = rep * shard * tp
+    if ep > 1 and ((shard * tp) % ep or ep % tp):
+        with pytest.raises(ValueError) as e:
+            ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, world_size=world)
+        assert f"ep ({ep})" in str(e.value)
+        assert (f"dp_shard * tp ({shard} * {tp} = {shard * tp})" in str(e.value)
+                or f"multiple of tp ({tp})" in str(e.value))
+        return
+    dims = ParallelDims(dp_replicate=rep, dp_shard=shard, tp=tp, ep=ep, world_size=world)
+    assert dims.ep_enabled == (ep > 1) and dims.efsdp * ep == shard * tp
+    assert dims.expert_mesh_dim_names == (("dp_replicate",) if rep > 1 else ()) + ("efsdp", "ep")
+    prod = 1
+    for s in dims.expert_mesh_shape:
+        prod *= s
+    assert prod == world  # the expert mesh covers the same ranks
+
+
+def _expert_mesh_facts(kw: dict) -> dict:
+    dims = ParallelDims(**kw)
+    dims.build_mesh("cpu")
+    ranks = lambda m: sorted(m.mesh.flatten().tolist())  # noqa: E731
+    return {"ep": ranks(dims.ep_mesh), "efsdp": ranks(dims.expert_fsdp_mesh),
+            "efsdp_names": dims.expert_fsdp_mesh.mesh_dim_names,
+            "tp": ranks(dims.tp_mesh) if dims.tp_enabled else None, "rank": dist.get_rank()}
+
+
+@pytest.mark.parametrize("kw, ep_groups, efsdp_groups", [
+    ({"dp_shard": 4, "ep": 2}, [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+    ({"dp_shard": 2, "tp": 2, "ep": 2}, [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+    ({"dp_shard": 4, "ep": 4}, [[0, 1, 2, 3]], [[0], [1], [2], [3]]),
+    ({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
+], ids=["ep2", "tp2-ep2", "ep4", "hsdp-ep2"])
+def test_expert_mesh_groups(world, kw, ep_groups, efsdp_groups) -> None:
+    for r in world(4).run(_expert_mesh_facts, kw):
+        assert r["ep"] in ep_groups and r["rank"] in r["ep"]
+        assert r["efsdp"] in efsdp_groups and r["rank"] in r["efsdp"]
+        if r["tp"] is not None:  # an EP group holds whole TP groups
+            assert set(r["tp"]) <= set(r["ep"])
+        hsdp = "dp_replicate" in kw
+        assert r["efsdp_names"] == (("dp_replicate", "efsdp") if hsdp else ("efsdp",))
+
+
+def _expert_mesh_without_ep() -> None:
+    dims = ParallelDims()
+    dims.build_mesh("cpu")
+    _ = dims.ep_mesh
+
+
+def test_expert_mesh_without_ep_is_an_error(world) -> None:
+    res = world(2).run(_expert_mesh_without_ep, return_exceptions=True)
+    assert all(isinstance(r, RemoteError) and "no expert mesh: ep=1" in r.message for r in res)
