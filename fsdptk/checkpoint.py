@@ -325,7 +325,7 @@ def save_safetensors(
             replica on its writer's own host when there is one (HSDP across hosts: no byte crosses
             between hosts). The result is the same checkpoint (same keys and tensors, one index);
             only the split into files may differ: with ``W`` > 1, files are cut at about
-            ``1 / (2 W)`` of the model when ``max_shard_size`` would give fewer than ``2 W``. Every
+            ``1 / (4 W)`` of the model when ``max_shard_size`` would give fewer than ``4 W``. Every
             writer needs the directory (a file system all writers share). Rank 0 coordinates:
             the lock, the free-space check, and the commit, which renames nothing until every
             writer has fsync-ed its files; a failing writer makes every rank raise its error.

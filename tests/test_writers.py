@@ -121,7 +121,7 @@ def test_four_writers_write_what_one_writes_each_a_quarter(world, llama, tmp_pat
     files = sorted((tmp_path / "w4").glob("*.safetensors"))
     total = sum(f.stat().st_size for f in files)
     share = total / 4
-    assert len(files) >= 8  # cut at about 1 / (2 W) of the model: 5GB alone would give one file
+    assert len(files) >= 16  # cut at about 1 / (4 W) of the model: 5GB alone would give one file
     for rank, n in enumerate(written):
         assert share / 1.5 <= n <= share * 1.5, (rank, n, share, written)
     _check_loads_in_transformers(llama, tmp_path / "w4")
@@ -230,7 +230,7 @@ def _async_and_host(root: str) -> tuple[list[str], int]:
 def test_background_save_with_writers_and_one_writer_per_host(world, tmp_path) -> None:
     results = world(4).run(_async_and_host, str(tmp_path))
     _assert_same(_tensors(tmp_path / "w4"), _tensors(tmp_path / "w1"))
-    assert len(list((tmp_path / "w4").glob("*.safetensors"))) >= 8
+    assert len(list((tmp_path / "w4").glob("*.safetensors"))) >= 16
     for hosts, two in results:
         assert hosts == ["0"]  # one machine, one network namespace: one host, rank 0 writes
         assert two == 2

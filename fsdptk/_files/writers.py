@@ -92,19 +92,23 @@ def writer_ranks(writers: int | str) -> list[int]:
     return [w * world // writers for w in range(writers)]
 
 
+FILES_PER_WRITER = 4  # a save with W writers has about this many files per writer at least
+
+
 def shard_limit(max_shard_size: int, total: int, writers: int) -> int:
     """The file size limit of a save with ``writers`` writers: ``max_shard_size``, lowered so that
-    the checkpoint has about ``2 x writers`` files when it would have fewer (each writer then gets
-    about two files; with ``max_shard_size`` alone a 16 GB model in 5 GB files has 4 files, and
-    8 writers could not share them).
+    the checkpoint has about ``4 x writers`` files when it would have fewer (with
+    ``max_shard_size`` alone a 16 GB model in 5 GB files has 4 files, which 8 writers could not
+    share; several files per writer also let the assignment even out a large tensor, which always
+    has a file of its own).
 
     Examples:
         >>> shard_limit(5 * 10**9, 16 * 10**9, 1), shard_limit(5 * 10**9, 16 * 10**9, 8)
-        (5000000000, 1000000000)
+        (5000000000, 500000000)
     """
     if writers <= 1 or total <= 0:
         return max_shard_size
-    return min(max_shard_size, max(1, math.ceil(total / (2 * writers))))
+    return min(max_shard_size, max(1, math.ceil(total / (FILES_PER_WRITER * writers))))
 
 
 def file_groups(item_files: Sequence[Sequence[int]], n_files: int) -> list[list[int]]:
