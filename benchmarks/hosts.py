@@ -13,7 +13,8 @@ read); a step whose result differs is void (its check column says why).
 Methods on the ``--layers`` x Linear(``--dim``) model:
 
 - ``fsdptk``: ``load_from_full_model_state_dict(broadcast_from_rank0=True)``, ``load_safetensors``
-  from each host's own copy of the checkpoint, ``gather_cpu_state_dict``, ``save_safetensors``, the
+  from each host's own copy of the checkpoint, ``gather_cpu_state_dict``, ``save_safetensors``
+  (``save``: one writer, rank 0; ``save_host``: ``writers="host"``, one writer per host), the
   optimizer pair.
 - ``dcp``: PyTorch's ``set_model_state_dict`` / ``get_model_state_dict`` with
   ``full_state_dict=True`` and ``broadcast_from_rank0=True`` / ``cpu_offload=True``, the optimizer
@@ -52,11 +53,11 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["main", "predicted_bytes"]
+__all__ = ["busiest_bytes", "main", "predicted_bytes"]
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = REPO / "tests" / "hosts_worker.py"
-SCENARIOS = ["load", "shard_on_read", "gather", "save", "optim_load", "optim_gather"]
+SCENARIOS = ["load", "shard_on_read", "gather", "save", "save_host", "optim_load", "optim_gather"]
 
 
 HF_METHODS = ("transformers", "fsdptk-hf")
@@ -75,12 +76,17 @@ def predicted_bytes(method: str, mesh: str, scenario: str, s: float, h: int, k: 
     scatter: (h - 1)/h s for FSDP; for HSDP a broadcast over ``dp_replicate`` in each of the k
     columns, (h - 1) k s = (N - K) s, then a scatter within the host); its gather and save, and
     transformers' ``save_pretrained``, are DCP's gather. Shard-on-read from a copy on each host: 0.
+    fsdptk's save with one writer per host (``save_host``) moves the same total as one writer
+    (each host's writer receives (h - 1)/h of its 1/h of the files), spread over every link:
+    :func:`busiest_bytes`.
     """
     n = h * k
     state = 2 * s if scenario.startswith("optim") else s  # AdamW: exp_avg + exp_avg_sq
     loading = scenario in ("load", "optim_load")
     if scenario == "shard_on_read":
         return 0.0 if method in ("fsdptk", *HF_METHODS) else None
+    if scenario == "save_host" and method != "fsdptk":
+        return None
     if method in ("fsdptk", "fsdptk-hf"):
         if method == "fsdptk-hf" and scenario != "save":
             return None
@@ -96,6 +102,17 @@ def predicted_bytes(method: str, mesh: str, scenario: str, s: float, h: int, k: 
     if loading:
         return state * (n - k)
     return 0.0 if mesh == "hsdp" else state * h * (n - 1) / n
+
+
+def busiest_bytes(method: str, mesh: str, scenario: str, s: float, h: int, k: int) -> float | None:
+    """Bytes into the busiest host's link for fsdptk's saves (``None``: not predicted here): one
+    writer (rank 0) receives the other hosts' shards, S (h-1)/h for FSDP; one writer per host
+    receives (h-1)/h of its S/h: S (h-1)/h^2 into every host. With HSDP both are 0."""
+    if method != "fsdptk" or scenario not in ("save", "save_host"):
+        return None
+    if mesh == "hsdp":
+        return 0.0
+    return s * (h - 1) / h / (h if scenario == "save_host" else 1)
 
 
 def _prepare(work: Path, hosts: int, layers: int, dim: int, dtype: str) -> str:
@@ -155,13 +172,14 @@ def run(args: argparse.Namespace) -> dict:
 
 def aggregate(results: dict) -> list[dict]:
     """Rows per (mesh, scenario, method): median bytes across hosts and median seconds over repeats."""
-    steps: dict = defaultdict(lambda: {"crossed": 0, "seconds": 0.0, "checks": set()})
+    steps: dict = defaultdict(lambda: {"crossed": 0, "busiest": 0, "seconds": 0.0, "checks": set()})
     for rec in results["records"]:
         key = (rec["mesh"], rec["scenario"], rec["method"], rec["repeat"])
         steps[key]["seconds"] = max(steps[key]["seconds"], rec["seconds"])
         steps[key]["checks"].add(rec["check"])
         if rec["before"] is not None:
             steps[key]["crossed"] += rec["after"]["tx_bytes"] - rec["before"]["tx_bytes"]
+            steps[key]["busiest"] = max(steps[key]["busiest"], rec["after"]["rx_bytes"] - rec["before"]["rx_bytes"])
     groups: dict = defaultdict(list)
     for (mesh, scenario, method, _), step in steps.items():
         groups[(mesh, scenario, method)].append(step)
@@ -172,6 +190,9 @@ def aggregate(results: dict) -> list[dict]:
         hf = method in HF_METHODS
         rows.append({"mesh": mesh, "scenario": scenario, "method": method, "model": "llama" if hf else "linear",
                      "crossed": statistics.median(g["crossed"] for g in group),
+                     "busiest": statistics.median(g["busiest"] for g in group),
+                     "busiest_predicted": busiest_bytes(method, mesh, scenario, m["model_bytes"], m["hosts"],
+                                                        m["per_host"]),
                      "seconds": statistics.median(g["seconds"] for g in group),
                      "check": "ok" if checks == {"ok"} else "void: " + sorted(c for c in checks if c != "ok")[0][:200],
                      "predicted": None if scenario == "noop" else predicted_bytes(
@@ -194,13 +215,15 @@ def render(results: dict) -> str:
                 f"S = {m['hf_model_bytes'] / 1e6:.1f} MB" if m.get("hf_model_bytes") else "")
              + f"; median of {m['repeats']}; load average {m['loadavg_start'][0]:.1f} -> "
              f"{m['loadavg_end'][0]:.1f}",
-             "", "| mesh | scenario | model | method | MB across hosts | formula MB | / formula | seconds | check |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "", "| mesh | scenario | model | method | MB across hosts | formula MB | / formula "
+             "| MB into the busiest host | formula MB | seconds | check |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        pred = r["predicted"]
+        pred, busy = r["predicted"], r.get("busiest_predicted")
         ratio = "-" if not pred else f"{r['crossed'] / pred:.3f}"
         lines.append(f"| {r['mesh']} | {r['scenario']} | {r.get('model', 'linear')} | {r['method']} | "
                      f"{r['crossed'] / 1e6:,.2f} | {'-' if pred is None else f'{pred / 1e6:,.2f}'} | {ratio} | "
+                     f"{r.get('busiest', 0) / 1e6:,.2f} | {'-' if busy is None else f'{busy / 1e6:,.2f}'} | "
                      f"{r['seconds']:.3f} | {r['check']} |")
     return "\n".join(lines)
 

@@ -27,6 +27,7 @@ from .model_state import (
     _load_fsdptk_all,
     _load_torchtune,
     _save_fsdptk,
+    _save_fsdptk_writers,
     _save_via,
     _sd_all,
     _sd_rank0,
@@ -89,6 +90,10 @@ METHODS: dict[str, dict[str, Method]] = {
     "save": {
         "fsdptk": Method(materialise_random, _save_fsdptk, _check_save, "fsdptk",
                          "save_safetensors(model, dir) (streams buckets to rank 0's writer)"),
+        "fsdptk_w2": Method(materialise_random, _save_fsdptk_writers(2), _check_save, "fsdptk",
+                            "save_safetensors(model, dir, writers=2) (min(2, ranks) writers)"),
+        "fsdptk_w4": Method(materialise_random, _save_fsdptk_writers(4), _check_save, "fsdptk",
+                            "save_safetensors(model, dir, writers=4) (min(4, ranks) writers)"),
         "dcp": Method(materialise_random, _save_via(_gather_dcp), _check_save, "torch",
                       "get_model_state_dict(full, cpu_offload) + rank 0 safetensors.save_file"),
         "torchtune": Method(materialise_random, _save_via(_gather_torchtune), _check_save, "torchtune",

@@ -144,6 +144,17 @@ def _save_fsdptk(ctx: Ctx) -> None:
     save_safetensors(ctx.model, ctx.tmp_dir / "out")
 
 
+def _save_fsdptk_writers(writers: int) -> Callable[[Ctx], None]:
+    """``save_safetensors(writers=min(writers, world))``: that many ranks write about 1/W of the
+    files each."""
+    def run(ctx: Ctx) -> None:
+        from fsdptk import save_safetensors
+
+        save_safetensors(ctx.model, ctx.tmp_dir / "out", writers=min(writers, ctx.world))
+
+    return run
+
+
 def _save_via(gather: Callable[[Ctx], None]) -> Callable[[Ctx], None]:
     def run(ctx: Ctx) -> None:
         from safetensors.torch import save_file

@@ -66,6 +66,9 @@ def aggregate(results: dict) -> tuple[dict, dict]:
                 if any(x.get("sent_bytes") is not None for x in r0) else None
             row["sentN"] = _med([max((x.get("sent_bytes") or 0) for x in rs) for rs in rest if rs]) \
                 if any(x.get("sent_bytes") is not None for rs in rest for x in rs) else None
+            row["written"] = [_med([r["ranks"][i].get("file_write_bytes") for r in ok])
+                              for i in range(len(r0 and ok[0]["ranks"]))] \
+                if any(x.get("file_write_bytes") is not None for x in r0) else None
             checks = [x.get("check") for r in ok for x in r["ranks"] if x.get("check")]
             row["check"] = "ok" if checks and all(c == "ok" for c in checks) else \
                 next((c for c in checks if c != "ok"), "-")
@@ -267,10 +270,28 @@ def render_methods() -> str:
     return "\n".join(out) + "\n"
 
 
+def render_writers(rows: dict) -> str:
+    """The save rows with the bytes every rank wrote to files (``/proc/self/io`` ``write_bytes``):
+    one writer against several (``fsdptk_w2``, ``fsdptk_w4``)."""
+    out = ["| method | ranks | model GB | time s (median) | peak RSS r0 MB | Δ r0 MB | Δ r>0 MB (max) | "
+           "MB written to files by rank 0, 1, ... |", "|---|---|---|---|---|---|---|---|"]
+    for key in _sorted_keys(rows):
+        scenario, method, world, size = key
+        row = rows[key]
+        if scenario != "save" or row["status"] != "ok":
+            continue
+        written = ", ".join(_mb(w) for w in row.get("written") or [])
+        out.append(f"| {method} | {world} | {size:g} | {_s(row['time'])} | {_mb(row['peak0'])} | "
+                   f"{_mb(row['delta0'])} | {_mb(row['deltaN'])} | {written or '-'} |")
+    return "\n".join(out) + "\n"
+
+
 def render_tables(results: dict) -> str:
     rows, limits = aggregate(results)
+    writers = render_writers(rows) if any(k[0] == "save" for k in rows) else ""
     return ("\n## Physical limits (GB/s)\n\n" + render_limits(limits) + "\n## Results\n\n" + render_main(rows, limits)
-            + "\n## Ratios (peer / fsdptk; > 1 means fsdptk is faster or leaner)\n\n" + render_ratios(rows))
+            + "\n## Ratios (peer / fsdptk; > 1 means fsdptk is faster or leaner)\n\n" + render_ratios(rows)
+            + ("\n## Saves: bytes written to files per rank\n\n" + writers if writers else ""))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -108,7 +108,10 @@ def _measured(spec: dict, rank: int, world: int) -> dict:
     gc.collect()
     check = method.check(ctx)
     # bytes written count gloo's socket traffic; NCCL's (NVLink, shared memory) is not a write()
-    sent = own.wchar - before.wchar - ctx.files_written if before.wchar >= 0 and not cuda else None
+    # a rank's own file writes (every writer of a save with several) come off with write_bytes
+    written = own.write_bytes - before.write_bytes if before.write_bytes >= 0 else None
+    files = written if written is not None and spec["scenario"] == "save" else ctx.files_written
+    sent = own.wchar - before.wchar - files if before.wchar >= 0 and not cuda else None
     return {
         **cuda_mem,
         "time_s": after.t - before.t,  # barrier to barrier: the operation as the job sees it
@@ -118,6 +121,7 @@ def _measured(spec: dict, rank: int, world: int) -> dict:
         "rss_before": before.rss,
         "rss_after": own.rss,
         "sent_bytes": sent,
+        "file_write_bytes": written,
         "check": check,
     }
 

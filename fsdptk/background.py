@@ -327,6 +327,7 @@ def save_safetensors_async(
     progress: bool | None = None,
     write_config: bool = True,
     conversion: ConversionArg = "auto",
+    writers: int | Literal["host"] = 1,
 ) -> PendingSave:
     """Start :func:`fsdptk.save_safetensors` in the background; return once the model is copied.
 
@@ -358,6 +359,9 @@ def save_safetensors_async(
             model in the layout its ``save_pretrained`` writes (per-expert MoE tensors), the
             model tensors split back in the background as they are gathered; ``None`` the
             model's own keys.
+        writers: as :func:`fsdptk.save_safetensors`: several ranks gather and write the files
+            in the background, each its own (agreed during the call; the commit waits for every
+            writer's fsync).
 
     Returns:
         PendingSave: ``wait()`` returns the index file or ``model.safetensors``.
@@ -380,6 +384,8 @@ def save_safetensors_async(
         ...     _ = model.weight.add_(1.0)  # training goes on
         >>> torch.equal(load_file(pending.wait())["weight"], before)
         True
+        >>> save_safetensors_async(model, d, writers="host").wait().name  # one writer per host
+        'model.safetensors'
     """
     from fsdptk._files.save import plan_save, write_save
     from fsdptk.conversions import save_layout
@@ -389,7 +395,7 @@ def save_safetensors_async(
     nodes = run_agreed(lambda: save_layout(model, conversion))
     plan = plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
                       rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress,
-                      conversion=nodes)
+                      conversion=nodes, writers=writers)
 
     def take() -> list[tuple[str, torch.Tensor]]:
         snap = _Snapshot()

@@ -275,12 +275,15 @@ def save_safetensors(
     progress: bool | None = None,
     write_config: bool = True,
     conversion: ConversionArg = "auto",
+    writers: int | Literal["host"] = 1,
 ) -> Path:
     """Save a (sharded) model as a Hugging Face safetensors checkpoint directory, streaming.
 
-    Call on every rank. Shards are gathered to rank 0 in buckets (the engine's ``collect``) and each
-    full tensor is written straight to its offset in its file and dropped, so rank 0 holds at most
-    one bucket beyond its own shards, whatever the model size. The layout is planned from metadata
+    Call on every rank. Shards are gathered to the writer of their file in buckets (the engine's
+    ``collect``; one writer, rank 0, by default) and each full tensor is written straight to its
+    offset in its file and dropped, so a writer holds at most one bucket beyond its own shards,
+    whatever the model size. With ``writers`` above 1 the files are shared between several ranks,
+    each gathering and writing only its own files (see ``writers``). The layout is planned from metadata
     first: ``model.safetensors`` when everything fits in ``max_shard_size``, else
     ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``
     (``metadata.total_size``, ``weight_map``). Files are written under temporary names, fsync-ed and
@@ -312,17 +315,34 @@ def save_safetensors(
             names), through the inverse of transformers' conversion rules for that model, tensor
             by tensor as they are gathered; other models, and ``None``, write the model's own
             keys (``model.state_dict()``). ``rename`` then applies to the written keys.
+        writers: how many ranks write files: ``1`` (default): rank 0 writes every file; ``W``
+            (up to the world size): ranks ``0, N/W, 2N/W, ...`` each write about 1/W of the bytes
+            (with ``torchrun``'s host-by-host rank numbering, ``W`` = the number of hosts is one
+            writer per host); ``"host"``: the lowest rank of every host (host name and network
+            namespace) writes. Files go to writers whole (all the Hub pieces of one model tensor in
+            one writer's files), largest first, each to a writer whose host holds the most of its
+            bytes among those within 1.25x the even share; each tensor is gathered from the
+            replica on its writer's own host when there is one (HSDP across hosts: no byte crosses
+            between hosts). The result is the same checkpoint (same keys and tensors, one index);
+            only the split into files may differ: with ``W`` > 1, files are cut at about
+            ``1 / (4 W)`` of the model when ``max_shard_size`` would give fewer than ``4 W``. Every
+            writer needs the directory (a file system all writers share). Rank 0 coordinates:
+            the lock, the free-space check, and the commit, which renames nothing until every
+            writer has fsync-ed its files; a failing writer makes every rank raise its error.
 
     Returns:
         Path: the index file, or the single ``model.safetensors`` (on every rank).
 
     Raises:
-        ValueError: bad ``tied`` / ``max_shard_size`` / ``bucket_bytes``, a rename collision, or (``write_config``)
+        ValueError: bad ``tied`` / ``max_shard_size`` / ``bucket_bytes``, ``writers`` below 1 or above
+            the world size (or different on different ranks), a rename collision, or (``write_config``)
             transformers' save-time validation refuses the model's config; every rank, before any
             tensor moves.
-        TypeError: ``dtype`` is not a floating ``torch.dtype``.
-        OSError: the directory cannot be created or written, or has too little free space; raised
-            on every rank, with no file of the new checkpoint left behind.
+        TypeError: ``dtype`` is not a floating ``torch.dtype``; ``writers`` is neither an int nor
+            ``"host"``.
+        OSError: the directory cannot be created or written, or has too little free space, or a
+            writer's write or fsync fails (a full disk, the file-size limit); raised on every rank
+            (naming the failing writer's rank), with no file of the new checkpoint left behind.
         CheckpointLockedError: another writer is saving to ``path`` (a ``BlockingIOError`` naming
             its pid, host and start time), on every rank.
 
@@ -335,12 +355,14 @@ def save_safetensors(
         'model.safetensors'
         >>> sorted(load_file(f"{d}/model.safetensors"))
         ['bias', 'weight']
+        >>> save_safetensors(torch.nn.Linear(4, 2), d, writers="host").name  # one writer per host
+        'model.safetensors'
     """
     wait_for_pending()
     nodes = run_agreed(lambda: save_layout(model, conversion))
     plan = plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
                       rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress,
-                      conversion=nodes)
+                      conversion=nodes, writers=writers)
 
     def stage_config() -> Any:
         return stage_hf_config(model, plan.path, dtype=dtype) if write_config else None

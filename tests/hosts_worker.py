@@ -18,7 +18,7 @@ the Hugging Face model of ``hf_ckpt``: ``transformers`` (``from_pretrained(distr
 ``save_pretrained``) and ``fsdptk-hf`` (``fsdptk.hf.from_pretrained``, ``save_safetensors``). A
 method skips the scenarios it has no call for. Spec keys: ``layers``, ``dim``, ``dtype``,
 ``meshes`` (``fsdp``, ``hsdp``), ``scenarios`` (``noop``, ``load``, ``shard_on_read``, ``gather``,
-``save``, ``optim_load``, ``optim_gather``, ``kill_load``), ``methods``, ``repeats``, ``ckpt`` (a
+``save``, ``save_host`` (one writer per host), ``optim_load``, ``optim_gather``, ``kill_load``), ``methods``, ``repeats``, ``ckpt`` (a
 directory with ``{host}`` in it: each host's own copy), ``out_dir``; for the HF methods
 ``hf_ckpt`` (likewise per host) and ``hf_ref`` (a ``torch.save`` file: ``input_ids`` and the
 single-process ``logits``).
@@ -138,6 +138,16 @@ def check_shards(model: nn.Module, ref: dict[str, torch.Tensor]) -> str:
         if got.dtype != want.dtype or not torch.equal(got, want):
             return f"shard of {k} differs from the reference"
     return "ok"
+
+
+def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved directory (one file, or shards and an index)."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
 
 
 def check_full(got: dict, ref: dict[str, torch.Tensor]) -> str:
@@ -410,7 +420,12 @@ class Steps:
             return check_full(got, self.ref) if self.rank == 0 else ("ok" if not got else "non-empty")
         return run
 
-    def setup_save(self):
+    def setup_save_host(self):
+        """``save_safetensors(writers="host")``: one writer per host, each gathering and writing
+        about 1/H of the files (fsdptk only)."""
+        return self.setup_save(writers="host") if self.method == "fsdptk" else None
+
+    def setup_save(self, writers: int | str = 1):
         model = self.loaded_model()
         out = self.save_dir
 
@@ -418,7 +433,7 @@ class Steps:
             from fsdptk import save_safetensors
 
             def save():
-                save_safetensors(model, out, progress=False)
+                save_safetensors(model, out, progress=False, writers=writers)
         else:
             from safetensors.torch import save_file
             from torch.distributed.checkpoint.state_dict import (
@@ -437,9 +452,7 @@ class Steps:
             save()
             if self.rank:
                 return "ok"
-            from safetensors.torch import load_file
-
-            return check_full(load_file(out / "model.safetensors"), self.ref)
+            return check_full(read_checkpoint(out), self.ref)
         return run
 
     def setup_optim_load(self):

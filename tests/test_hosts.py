@@ -35,7 +35,7 @@ WORKER = HERE / "hosts_worker.py"
 HOSTS, PER_HOST = 2, 2
 LAYERS, DIM = 8, 1024  # 8 x Linear(1024, 1024) fp32: S = 33,587,200 bytes
 S = LAYERS * (DIM * DIM + DIM) * 4
-SCENARIOS = ["noop", "load", "shard_on_read", "gather", "save", "optim_load", "optim_gather"]
+SCENARIOS = ["noop", "load", "shard_on_read", "gather", "save", "save_host", "optim_load", "optim_gather"]
 
 # Bytes the mesh cannot avoid sending between hosts (H hosts, K ranks each, rank 0 holds or
 # receives the full state): FSDP over H*K ranks: the shards of the other hosts' ranks,
@@ -45,12 +45,17 @@ SCENARIOS = ["noop", "load", "shard_on_read", "gather", "save", "optim_load", "o
 MINIMUM = {
     ("fsdp", "noop"): 0, ("fsdp", "load"): S * (HOSTS - 1) / HOSTS, ("fsdp", "shard_on_read"): 0,
     ("fsdp", "gather"): S * (HOSTS - 1) / HOSTS, ("fsdp", "save"): S * (HOSTS - 1) / HOSTS,
+    ("fsdp", "save_host"): S * (HOSTS - 1) / HOSTS,
     ("fsdp", "optim_load"): 2 * S * (HOSTS - 1) / HOSTS,
     ("fsdp", "optim_gather"): 2 * S * (HOSTS - 1) / HOSTS,
     ("hsdp", "noop"): 0, ("hsdp", "load"): S * (HOSTS - 1), ("hsdp", "shard_on_read"): 0,
-    ("hsdp", "gather"): 0, ("hsdp", "save"): 0, ("hsdp", "optim_load"): 2 * S * (HOSTS - 1),
+    ("hsdp", "gather"): 0, ("hsdp", "save"): 0, ("hsdp", "save_host"): 0, ("hsdp", "optim_load"): 2 * S * (HOSTS - 1),
     ("hsdp", "optim_gather"): 0,
 }
+# One writer per host (``save_host``): the same total as one writer, but spread over the links. With
+# FSDP each host's writer writes about 1/H of the files and receives (H-1)/H of their bytes from
+# the other hosts: S (H-1)/H^2 into every host, against S (H-1)/H into rank 0's host for one writer.
+BUSIEST_RX = {("fsdp", "save"): S * (HOSTS - 1) / HOSTS, ("fsdp", "save_host"): S * (HOSTS - 1) / HOSTS**2}
 # Measured on this setup (1 Gbit/s tbf links, veth with TSO): Ethernet/IP/TCP headers and ACKs add
 # 0.2-0.5 % to the data; fsdptk's metadata exchange and per-bucket status agreements 20-40 KB per
 # call; the measuring barriers about 5 KB (the ``noop`` step). Allowed: 2 % of the minimum + 256 KiB.
@@ -107,7 +112,7 @@ def scenario_steps(hosts, tmp_path_factory):
     runs = hosts.torchrun([str(WORKER), str(spec)], nproc_per_node=PER_HOST, env=_env(), timeout=150)
     for r in runs:
         assert r.returncode == 0, f"host {r.host} exited {r.returncode}:\n{r.stderr[-4000:]}"
-    steps: dict = defaultdict(lambda: {"crossed": 0, "seconds": 0.0, "checks": set(), "ranks": 0})
+    steps: dict = defaultdict(lambda: {"crossed": 0, "busiest_rx": 0, "seconds": 0.0, "checks": set(), "ranks": 0})
     for f in sorted((work / "out").glob("rank*.json")):
         for rec in json.loads(f.read_text()):
             step = steps[(rec["mesh"], rec["scenario"])]
@@ -116,9 +121,10 @@ def scenario_steps(hosts, tmp_path_factory):
             step["ranks"] += 1
             if rec["before"] is not None:  # local rank 0 of each host read its link
                 step["crossed"] += rec["after"]["tx_bytes"] - rec["before"]["tx_bytes"]
-    print("\n(mesh, scenario): bytes crossed (minimum), seconds")
+                step["busiest_rx"] = max(step["busiest_rx"], rec["after"]["rx_bytes"] - rec["before"]["rx_bytes"])
+    print("\n(mesh, scenario): bytes crossed (minimum), into the busiest host, seconds")
     for key, step in sorted(steps.items()):
-        print(f"{key}: {step['crossed']:,} ({MINIMUM[key]:,.0f}), {step['seconds']:.3f} s")
+        print(f"{key}: {step['crossed']:,} ({MINIMUM[key]:,.0f}), {step['busiest_rx']:,}, {step['seconds']:.3f} s")
     return dict(steps)
 
 
@@ -158,6 +164,19 @@ def test_gather_to_rank0(scenario_steps, mesh):
 @MESHES
 def test_save_safetensors(scenario_steps, mesh):
     _check_step(scenario_steps, mesh, "save")
+
+
+@needs_hosts
+@MESHES
+def test_save_with_one_writer_per_host(scenario_steps, mesh):
+    """``writers="host"``: the same bytes across hosts in total (none with HSDP: each host's writer
+    gathers from its own replica), and with FSDP half as many into the busiest host's link."""
+    _check_step(scenario_steps, mesh, "save_host")
+    if mesh == "fsdp":
+        for scenario in ("save", "save_host"):
+            least = BUSIEST_RX[(mesh, scenario)]
+            got = scenario_steps[(mesh, scenario)]["busiest_rx"]
+            assert least <= got <= least * (1 + ALLOWANCE_FRACTION) + ALLOWANCE_BYTES, (scenario, got, least)
 
 
 @needs_hosts

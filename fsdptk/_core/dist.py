@@ -9,6 +9,8 @@ without one.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -68,6 +70,18 @@ def log_rank0(logger: logging.Logger, msg: str, *args: Any, level: int = logging
         logger.log(level, msg, *args)
 
 
+
+
+def host_key() -> str:
+    """What tells this process's host apart from the others': the host name and the network
+    namespace (``/proc/self/ns/net``), so that ranks in separate namespaces of one machine (the
+    simulated hosts of :mod:`fsdptk.testing.hosts`, containers) count as separate hosts, as their
+    links do. Internal helper; not exported from ``fsdptk``."""
+    try:
+        ns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        ns = 0
+    return f"{socket.gethostname()}/{ns}"
 
 
 def comm_device() -> torch.device:

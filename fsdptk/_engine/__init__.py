@@ -29,13 +29,13 @@ the calling thread chose another). See ``docs/state_dict.md``. The parts:
 """
 
 from fsdptk._engine.agree import LoadPlan, agree, check_source, merge_checks
-from fsdptk._engine.gather import collect
+from fsdptk._engine.gather import Holdings, choose_senders, collect
 from fsdptk._engine.layouts import layout_of
 from fsdptk._engine.scatter import distribute
 from fsdptk._engine.sources import ShapesSource, Source, TensorMeta
 from fsdptk._engine.wire import DEFAULT_BUCKET_BYTES
 
-__all__ = ["agree", "distribute", "collect", "LoadPlan", "TensorMeta", "Source", "ShapesSource",
+__all__ = ["agree", "distribute", "collect", "Holdings", "choose_senders", "LoadPlan", "TensorMeta", "Source", "ShapesSource",
            "DEFAULT_BUCKET_BYTES", "bucket_size", "check_source", "merge_checks", "layout_of"]
 
 

@@ -236,6 +236,12 @@ class Layout:
         """Gathering: this rank's box of the full tensor when it sends it, else ``None``."""
         return self.local if rank == 0 else None
 
+    def held_box(self) -> Box | None:
+        """Gathering: the box of the full tensor this rank holds (every replica's, not only the
+        one that sends by default), or ``None`` when it holds none; the gather picks, per box, the
+        holder nearest the destination."""
+        return full_box(self.shape)
+
     def send_local(self) -> torch.Tensor:
         """Gathering: the (dequantised, detached) local tensor to send."""
         return self.target.detach()
@@ -264,6 +270,9 @@ class DTensorLayout(Layout):
 
     def send_box(self, rank: int) -> Box | None:
         return self.local if _is_sender(self.target) else None
+
+    def held_box(self) -> Box | None:
+        return self.local if self.target.device_mesh.get_coordinate() is not None else None
 
     def send_local(self) -> torch.Tensor:
         return local_tensor(self.target).detach()
@@ -320,6 +329,9 @@ class DTensorNF4Layout(NF4Layout):
 
     def send_box(self, rank: int) -> Box | None:
         return self.box if _is_sender(self.target) else None
+
+    def held_box(self) -> Box | None:
+        return self.box if self.target.device_mesh.get_coordinate() is not None else None
 
 
 def layout_of(t: torch.Tensor) -> Layout:

@@ -166,10 +166,24 @@ class InFlight:
             self.works, self.tensors = [], []
 
 
-def buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
-    """Greedy consecutive buckets of indices; a tensor larger than a bucket travels alone."""
+def buckets(sizes: Sequence[int], bucket_bytes: int, owners: Sequence[int] | None = None) -> list[list[int]]:
+    """Greedy consecutive buckets of indices; a tensor larger than a bucket travels alone.
+
+    ``owners`` (one per index: the rank that receives it) makes each bucket hold up to
+    ``bucket_bytes`` for EVERY owner: the next consecutive indices of each owner, so that every
+    receiver works in every bucket (and holds at most one bucket) instead of one after another.
+    Indices within a bucket stay in ascending order.
+
+    Examples:
+        >>> buckets([4, 4, 4, 4], 8)
+        [[0, 1], [2, 3]]
+        >>> buckets([4, 4, 4, 4], 4, owners=[0, 0, 1, 1])
+        [[0, 2], [1, 3]]
+    """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if owners is not None and len(set(owners)) > 1:
+        return _owner_buckets(sizes, bucket_bytes, owners)
     out: list[list[int]] = []
     cur: list[int] = []
     total = 0
@@ -181,4 +195,23 @@ def buckets(sizes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
         total += n
     if cur:
         out.append(cur)
+    return out
+
+
+def _owner_buckets(sizes: Sequence[int], bucket_bytes: int, owners: Sequence[int]) -> list[list[int]]:
+    """:func:`buckets` with ``owners``: per bucket, each owner's next run of up to ``bucket_bytes``."""
+    queues: dict[int, list[int]] = {}
+    for i, o in enumerate(owners):
+        queues.setdefault(o, []).append(i)
+    heads = dict.fromkeys(queues, 0)
+    out: list[list[int]] = []
+    while any(heads[o] < len(q) for o, q in queues.items()):
+        bucket: list[int] = []
+        for o in sorted(queues):
+            q, total = queues[o], 0
+            while heads[o] < len(q) and (total == 0 or total + sizes[q[heads[o]]] <= bucket_bytes):
+                total += sizes[q[heads[o]]] or 1  # empty tensors still count toward the run
+                bucket.append(q[heads[o]])
+                heads[o] += 1
+        out.append(sorted(bucket))
     return out

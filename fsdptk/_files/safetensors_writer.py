@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,7 @@ from fsdptk._files.safetensors_io import (
     st_dtype,
 )
 
-__all__ = ["ShardedWriter", "plan_shards"]
+__all__ = ["ShardFiles", "ShardedWriter", "plan_shards"]
 
 LOCK_NAME = ".fsdptk.lock"
 
@@ -117,30 +117,149 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs lack __buffer__
 
 
-class ShardedWriter:
+class ShardFiles:
+    """Write the tensors of some files of a planned checkpoint under their temporary names.
+
+    One writer of a save with several (``save_safetensors(..., writers=W)``): the coordinating
+    writer (:class:`ShardedWriter`, rank 0) holds the directory's lock, picks the save's
+    ``token`` and the files' names, and commits; every other writer builds the same plan from the
+    same entries with that token and those names, writes the tensors it is given (any order, each
+    at its planned offset), and fsyncs its files (:meth:`seal`) before the commit. No lock, no
+    directory check: the coordinator did those before any writer started.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str],
+                 entries: Sequence[tuple[str, torch.dtype, Sequence[int]]], *,
+                 max_shard_size: int | str, metadata: Mapping[str, str] | None = None,
+                 prefix: str = "model", token: str | None = None, names: Sequence[str] | None = None) -> None:
+        self.directory = Path(directory)
+        self.prefix = prefix
+        self.files = plan_shards(entries, parse_size(max_shard_size), prefix=prefix, metadata=metadata)
+        if names is not None:
+            if len(names) != len(self.files):
+                raise CheckpointError(f"the coordinating writer named {len(names)} files, this writer "
+                                      f"planned {len(self.files)}")
+            for f, name in zip(self.files, names):
+                f.name = name
+        self.index_path = self.directory / (prefix + INDEX_SUFFIX)
+        self._entries = {e.key: e for f in self.files for e in f.entries}
+        self.total_size = sum(e.nbytes for e in self._entries.values())
+        self._token = token or uuid.uuid4().hex[:8]
+        self._handles: dict[int, Any] = {}
+        self._done: set[int] = set()
+        self._written: set[str] = set()
+        self._own: set[int] | None = None  # the files this writer writes (None: all of them)
+
+    @property
+    def token(self) -> str:
+        """The save's token (in every temporary name)."""
+        return self._token
+
+    @property
+    def names(self) -> list[str]:
+        """The final names of the files, in plan order."""
+        return [f.name for f in self.files]
+
+    def file_of(self, key: str) -> int:
+        """The index of the file ``key`` is planned in."""
+        return self._entries[key].file
+
+    def assign(self, own: Collection[int]) -> None:
+        """This writer writes the files ``own`` (plan indices) and no other: a file it opened
+        that is not among them (the coordinator's writability check) is closed and removed
+        before any other writer opens it."""
+        self._own = set(own)
+        for i in [i for i in self._handles if i not in self._own]:
+            self._handles.pop(i).close()
+            self._tmp(self.files[i].name).unlink(missing_ok=True)
+
+    def _tmp(self, name: str) -> Path:
+        return self.directory / tmp_name(name, self._token)
+
+    def _open(self, i: int) -> Any:
+        fh = self._handles.get(i)
+        if fh is None:
+            f = self.files[i]
+            try:
+                fh = open(self._tmp(f.name), "wb")  # noqa: SIM115 - kept open across writes, closed in close()
+            except OSError as e:
+                raise type(e)(e.errno, f"cannot write to checkpoint directory "
+                                       f"{str(self.directory)!r}: {e.strerror}") from e
+            self._handles[i] = fh
+            fh.write(f.header)
+        return fh
+
+    def _finish(self, i: int) -> None:
+        fh = self._handles[i]
+        fh.flush()
+        os.fsync(fh.fileno())
+        fh.close()
+        self._done.add(i)
+
+    def write(self, key: str, tensor: torch.Tensor) -> int:
+        """Write one tensor at its planned place; returns the bytes written."""
+        e = self._entries.get(key)
+        if e is None:
+            raise CheckpointError(f"key {key!r} was not planned for this checkpoint")
+        if self._own is not None and e.file not in self._own:
+            raise CheckpointError(f"key {key!r} is in {self.files[e.file].name}, which another writer writes")
+        if tuple(tensor.shape) != e.shape or tensor.dtype != e.dtype:
+            raise CheckpointError(f"key {key!r}: got {tuple(tensor.shape)} {tensor.dtype}, planned "
+                                  f"{e.shape} {e.dtype}")
+        if key in self._written:
+            raise CheckpointError(f"key {key!r} written twice")
+        fh = self._open(e.file)
+        fh.seek(e.offset)
+        fh.write(_tensor_bytes(tensor))
+        self._written.add(key)
+        f = self.files[e.file]
+        f.remaining -= 1
+        if f.remaining == 0:
+            self._finish(e.file)
+        return e.nbytes
+
+    def seal(self) -> None:
+        """Check that every key of this writer's files was written, and fsync those files (a file
+        with no tensor gets its header): after this the files are durable under their temporary
+        names, ready for the coordinator's commit."""
+        own = range(len(self.files)) if self._own is None else sorted(self._own)
+        missing = [e.key for i in own for e in self.files[i].entries if e.key not in self._written]
+        if missing:
+            raise CheckpointError(f"{len(missing)} planned keys were never written, e.g. {missing[:5]}")
+        for i in own:  # an empty shard (no tensor) is complete with its header
+            if i not in self._done:
+                self._open(i)
+                self._finish(i)
+
+    def discard(self) -> None:
+        """Close and delete the temporary files this writer opened (a failed save)."""
+        for i, fh in list(self._handles.items()):
+            try:
+                fh.close()
+            except OSError:
+                pass
+            self._tmp(self.files[i].name).unlink(missing_ok=True)
+        self._handles = {}
+
+
+class ShardedWriter(ShardFiles):
     """Stage a safetensors checkpoint in ``directory`` and make it visible atomically on commit.
 
     Create it with the full list of entries (metadata only); call :meth:`write` once per key in any
     order; then :meth:`commit` (or :meth:`abort`). Creating it takes the directory's lock (a second
     writer fails at once with :class:`fsdptk._files.lock.CheckpointLockedError` naming the
     holder), recovers what a killed writer left, and checks the directory is writable and has room
-    for the data, so an unusable target fails before any tensor is produced.
+    for the data, so an unusable target fails before any tensor is produced. With several writers
+    it is the coordinating one: it writes the files :meth:`assign` gives it, the others
+    (:class:`ShardFiles`, same ``token`` and ``names``) write theirs, and its :meth:`commit`
+    renames every writer's sealed files into place.
     """
 
     def __init__(self, directory: str | os.PathLike[str],
                  entries: Sequence[tuple[str, torch.dtype, Sequence[int]]], *,
                  max_shard_size: int | str, metadata: Mapping[str, str] | None = None,
                  prefix: str = "model") -> None:
-        self.directory = Path(directory)
-        self.prefix = prefix
-        self.files = plan_shards(entries, parse_size(max_shard_size), prefix=prefix, metadata=metadata)
-        self.index_path = self.directory / (prefix + INDEX_SUFFIX)
-        self._entries = {e.key: e for f in self.files for e in f.entries}
-        self.total_size = sum(e.nbytes for e in self._entries.values())
-        self._token = uuid.uuid4().hex[:8]
-        self._handles: dict[int, Any] = {}
-        self._done: set[int] = set()
-        self._written: set[str] = set()
+        super().__init__(directory, entries, max_shard_size=max_shard_size, metadata=metadata, prefix=prefix)
         self._closed = False
         self._after_commit: list[Callable[[], Any]] = []
         self._lock = DirectoryLock(self.directory / LOCK_NAME, self.directory)
@@ -150,9 +269,6 @@ class ShardedWriter:
         """Run ``fn()`` once the files are committed, while the directory's lock is still held
         (e.g. renaming a staged ``config.json`` into place), so no other writer can interleave."""
         self._after_commit.append(fn)
-
-    def _tmp(self, name: str) -> Path:
-        return self.directory / tmp_name(name, self._token)
 
     def _preflight(self) -> None:
         try:
@@ -187,46 +303,6 @@ class ShardedWriter:
             for f in self.files:
                 f.name = f.name.removesuffix(".safetensors") + f".{self._token}.safetensors"
 
-    def _open(self, i: int) -> Any:
-        fh = self._handles.get(i)
-        if fh is None:
-            f = self.files[i]
-            try:
-                fh = open(self._tmp(f.name), "wb")  # noqa: SIM115 - kept open across writes, closed in close()
-            except OSError as e:
-                raise type(e)(e.errno, f"cannot write to checkpoint directory "
-                                       f"{str(self.directory)!r}: {e.strerror}") from e
-            self._handles[i] = fh
-            fh.write(f.header)
-        return fh
-
-    def _finish(self, i: int) -> None:
-        fh = self._handles[i]
-        fh.flush()
-        os.fsync(fh.fileno())
-        fh.close()
-        self._done.add(i)
-
-    def write(self, key: str, tensor: torch.Tensor) -> int:
-        """Write one tensor at its planned place; returns the bytes written."""
-        e = self._entries.get(key)
-        if e is None:
-            raise CheckpointError(f"key {key!r} was not planned for this checkpoint")
-        if tuple(tensor.shape) != e.shape or tensor.dtype != e.dtype:
-            raise CheckpointError(f"key {key!r}: got {tuple(tensor.shape)} {tensor.dtype}, planned "
-                                  f"{e.shape} {e.dtype}")
-        if key in self._written:
-            raise CheckpointError(f"key {key!r} written twice")
-        fh = self._open(e.file)
-        fh.seek(e.offset)
-        fh.write(_tensor_bytes(tensor))
-        self._written.add(key)
-        f = self.files[e.file]
-        f.remaining -= 1
-        if f.remaining == 0:
-            self._finish(e.file)
-        return e.nbytes
-
     def commit(self) -> Path:
         """Commit the staged files (crash-safe steps of :mod:`fsdptk._files.commit`): the new
         checkpoint replaces the old one, whose files are then deleted (only fsdptk's own shard
@@ -236,13 +312,11 @@ class ShardedWriter:
         Returns:
             Path: the index file, or the single ``.safetensors`` file.
         """
-        missing = [k for k in self._entries if k not in self._written]
-        if missing:
-            raise CheckpointError(f"{len(missing)} planned keys were never written, e.g. {missing[:5]}")
-        for i in range(len(self.files)):  # an empty shard (no tensor) is complete with its header
-            if i not in self._done:
-                self._open(i)
-                self._finish(i)
+        self.seal()  # its own files (the other writers sealed theirs before this call)
+        absent = [f.name for f in self.files if not self._tmp(f.name).is_file()]
+        if absent:  # before the journal: nothing of the current checkpoint is touched
+            raise CheckpointError(f"{len(absent)} file(s) of the new checkpoint are missing from "
+                                  f"{str(self.directory)!r} at the commit, e.g. {absent[:3]}")
         index = None
         if len(self.files) > 1:
             data = {"metadata": {"total_size": self.total_size},
