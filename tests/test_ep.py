@@ -6,7 +6,8 @@ configs written with ``save_pretrained``, nothing downloaded) on 4 gloo ranks, `
   training step and the logits after it equal the single-process model's; every expert parameter
   is a DTensor ``Shard(0)`` over a mesh dim named ``ep``;
 - ``gather_cpu_state_dict`` holds every expert (equal to the single-process trained state), and
-  ``save_safetensors`` writes save_pretrained's Hub layout, which transformers loads;
+  ``save_safetensors`` writes save_pretrained's Hub layout, which transformers loads (with one
+  writer, and with ``writers=4`` the same tensors);
 - each rank reads only its experts' bytes;
 - full <-> sharded optimizer state by FQN (equal to single-process Adam's), ``save_dcp`` at
   ``ep=2`` on 4 ranks resumed with ``load_dcp`` on 2 ranks without EP, exactly; the background save;
@@ -94,6 +95,7 @@ def _ep_train_save(src: str, dims_kw: dict, out: str) -> dict:
     trained = _logits(model, batch)
     full = gather_cpu_state_dict(model, dist.get_rank() == 0)
     save_safetensors(model, out)
+    save_safetensors(model, f"{out}-writers", writers=4)  # every rank writes its files
     return {"loaded": loaded, "loss": loss.item() / dist.get_world_size(), "trained": trained,
             "placements": placements, "full": full}
 
@@ -121,6 +123,8 @@ def test_ep_loads_trains_gathers_and_saves_the_hub_layout(world, reference, tmp_
     assert all(not r["full"] for r in results[1:])
     hub, saved = _files(ref["src"]), _files(tmp_path / "out")
     assert sorted(saved) == sorted(hub)  # save_pretrained's per-expert keys
+    many = _files(tmp_path / "out-writers")
+    assert sorted(many) == sorted(saved) and all(torch.equal(many[k], saved[k]) for k in saved)
     model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out",
                                                                     output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
