@@ -103,6 +103,10 @@ def _sort_key(key: tuple) -> tuple:
 MESH_ORDER = ("fsdp", "fsdp-tp2", "fsdp-ep2")
 
 
+def _order(mesh: str) -> int:
+    return list(MESH_ORDER).index(mesh) if mesh in MESH_ORDER else 9
+
+
 def _g(x: float | None, d: int = 2) -> str:
     return "-" if x is None else f"{x / GB:.{d}f}"
 
@@ -507,14 +511,18 @@ def moe_section(results: dict[str, Any], *, source: str, notes: str, model: str 
              "start to the loaded model and to the first finished step. `gc.collect()` before every clock; the "
              "checkpoint's files are read into the page cache before every run. **Checked in the run**: the same "
              "logits, and both saved directories bit-identical (the source checkpoint's tensors: the Hub layout).\n",
+             "" if fp8 else "Mesh `fsdp-ep2` (issue \"Expert parallelism\"): the same model with expert parallelism "
+             "over 2 ranks, `DistributedConfig(fsdp_size=D, ep_size=2)` (transformers' all-to-all dispatch) beside "
+             "`ParallelDims(dp_shard=D, ep=2)` (fsdptk's, docs/expert_parallel.md); each rank then holds 1/D of "
+             "the experts as whole experts, the dense weights FSDP-sharded as in `fsdp`.\n",
              "```\n" + "\n".join(m["command"] for m in metas) + "\n```\n",
              f"Results: `{_shown(source)}`.\n"]
     lines += [_run_line(m) for m in metas]
     lines += ["", render(results)]
     target = ["**Targets** (fsdptk / transformers, warm runs): load <= 0.7x, save <= 0.5x, memory <= 1x:\n",
-              "| ranks | load | save | anon after load (rank 0 / others) | anon after step (rank 0 / others) | "
-              "peak over save, rank 0 |", "|---|---|---|---|---|---|"]
-    for key in sorted({k[:3] for k in rows}, key=lambda k: k[1]):
+              "| mesh | ranks | load | save | anon after load (rank 0 / others) | anon after step (rank 0 / others) | "
+              "peak over save, rank 0 |", "|---|---|---|---|---|---|---|"]
+    for key in sorted({k[:3] for k in rows}, key=lambda k: (k[1], _order(k[0]))):
         ours, theirs = rows.get((*key, "fsdptk")), rows.get((*key, "transformers"))
         if not ours or not theirs or ours["status"] != "ok" or theirs["status"] != "ok":
             continue
@@ -526,7 +534,7 @@ def moe_section(results: dict[str, Any], *, source: str, notes: str, model: str 
             ratio = a / b
             return f"{ratio:.2f}" if round(ratio, 2) <= MOE_TARGETS[field] else f"**{ratio:.2f}**"
 
-        target.append(f"| {key[1]} | {cell('load_s')} | {cell('save_s')} | {cell('load_anon_r0')} / "
+        target.append(f"| {key[0]} | {key[1]} | {cell('load_s')} | {cell('save_s')} | {cell('load_anon_r0')} / "
                       f"{cell('load_anon_rN')} | {cell('step_anon_r0')} / {cell('step_anon_rN')} | "
                       f"{cell('save_peak_r0')} |")
     lines += target + [""]

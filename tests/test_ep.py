@@ -1,6 +1,7 @@
 """Expert parallelism with transformers' real MoE models (Mixtral, Qwen3-MoE, DeepSeek-V3; tiny
 configs written with ``save_pretrained``, nothing downloaded) on 4 gloo ranks, ``ep=2`` with
-``dp_shard=4`` and with ``dp_shard=2, tp=2``; the judge is transformers' single-process model:
+``dp_shard=4``, with ``dp_shard=2, tp=2`` and (Qwen3-MoE) with HSDP ``dp_replicate=2, dp_shard=2``;
+the judge is transformers' single-process model:
 
 - ``fsdptk.hf.from_pretrained(dims=ParallelDims(..., ep=2))``: logits, the whole-batch loss of a
   training step and the logits after it equal the single-process model's; every expert parameter
@@ -45,7 +46,8 @@ from _counting import raised  # noqa: E402
 
 EP_LAYOUTS = [({"dp_shard": 4, "ep": 2}, f) for f in ("mixtral", "qwen3_moe", "deepseek_v3")]
 EP_LAYOUTS += [({"dp_shard": 2, "tp": 2, "ep": 2}, f) for f in ("mixtral", "qwen3_moe", "deepseek_v3")]
-_IDS = [f"{'tp2-' if 'tp' in d else ''}ep2-{f}" for d, f in EP_LAYOUTS]
+EP_LAYOUTS += [({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, "qwen3_moe")]
+_IDS = [f"{'tp2-' if 'tp' in d else 'hsdp-' if 'dp_replicate' in d else ''}ep2-{f}" for d, f in EP_LAYOUTS]
 
 
 @pytest.fixture(scope="module")
@@ -111,11 +113,13 @@ def test_ep_loads_trains_gathers_and_saves_the_hub_layout(world, reference, tmp_
         diff = (r["trained"] - ref["trained"]).abs().max().item()
         assert diff <= 1e-4, f"after one step the logits differ from the single-process step's by {diff}"
         assert r["placements"], "no expert-parallel module"
+        hsdp = "dp_replicate" in dims_kw
+        holders = dims_kw["dp_shard"] * dims_kw.get("tp", 1)  # efsdp * ep: one copy of the experts
         for name, (dims, placements, local) in r["placements"].items():
-            assert dims == ("efsdp", "ep"), (name, dims)
+            assert dims == (("dp_replicate",) if hsdp else ()) + ("efsdp", "ep"), (name, dims)
             assert placements[dims.index("ep")] == "Shard(dim=0)", (name, placements)
             full = ref["trained_sd"][name].shape
-            assert local[0] == full[0] // 4 and tuple(local[1:]) == tuple(full[1:]), (name, local)
+            assert local[0] == full[0] // holders and tuple(local[1:]) == tuple(full[1:]), (name, local)
     full, want = results[0]["full"], ref["trained_sd"]
     assert sorted(full) == sorted(want)  # every key, every expert
     for k in want:
