@@ -260,7 +260,11 @@ def shard_model(
     for fqn, module in experts:
         fully_shard(module, **{**kwargs, "mesh": expert_dp_mesh})
         module.set_gradient_divide_factor(float(dense_dp))  # type: ignore[operator]
-        if _backend(expert_dp_mesh) != "nccl":  # PreMulSum is NCCL's: sum, then divide apart
+        # PreMulSum is NCCL's: on other backends sum, then divide apart. Not where the shard dim
+        # has one rank (efsdp = 1): FSDP2 (torch 2.13-2.15) then divides while copying the
+        # unreduced gradient and, with sums forced, a second time after the reduction
+        if _backend(expert_dp_mesh) != "nccl" and expert_dp_mesh is not None and (
+                expert_dp_mesh.size(expert_dp_mesh.ndim - 1) > 1):
             module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         log_rank0(_log, "fully_shard(%s) over the expert mesh %s", fqn,
                   tuple(expert_dp_mesh.shape) if expert_dp_mesh is not None else None,

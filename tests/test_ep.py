@@ -46,8 +46,9 @@ from _counting import raised  # noqa: E402
 
 EP_LAYOUTS = [({"dp_shard": 4, "ep": 2}, f) for f in ("mixtral", "qwen3_moe", "deepseek_v3")]
 EP_LAYOUTS += [({"dp_shard": 2, "tp": 2, "ep": 2}, f) for f in ("mixtral", "qwen3_moe", "deepseek_v3")]
-EP_LAYOUTS += [({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, "qwen3_moe")]
-_IDS = [f"{'tp2-' if 'tp' in d else 'hsdp-' if 'dp_replicate' in d else ''}ep2-{f}" for d, f in EP_LAYOUTS]
+# efsdp = 1 (each expert on one rank of a replica): FSDP's shard group has one rank
+EP_LAYOUTS += [({"dp_replicate": 2, "dp_shard": 2, "ep": 2}, "qwen3_moe"), ({"dp_shard": 4, "ep": 4}, "qwen3_moe")]
+_IDS = [f"{'tp2-' if 'tp' in d else 'hsdp-' if 'dp_replicate' in d else ''}ep{d['ep']}-{f}" for d, f in EP_LAYOUTS]
 
 
 @pytest.fixture(scope="module")
