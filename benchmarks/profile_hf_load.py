@@ -5,6 +5,7 @@ Run on every rank with torchrun, once per method, on a checkpoint written by
 
     torchrun --nproc-per-node 2 -m benchmarks.profile_hf_load fsdptk DIR [--top 25]
     torchrun --nproc-per-node 2 -m benchmarks.profile_hf_load transformers DIR
+    torchrun --nproc-per-node 4 -m benchmarks.profile_hf_load fsdptk DIR --tp 2   # FSDP x TP
 
 Both methods start from the same state as the benchmark's warm clock: the union of their modules
 imported (:data:`benchmarks.hf_worker.UNION_MODULES`), the process group up, ``gc.collect()``. Rank
@@ -27,6 +28,7 @@ def main() -> None:
     p.add_argument("method", choices=["fsdptk", "transformers"])
     p.add_argument("ckpt")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (FSDP over the other ranks)")
     args = p.parse_args()
 
     import torch
@@ -44,13 +46,13 @@ def main() -> None:
 
         def load():
             return transformers.AutoModelForCausalLM.from_pretrained(
-                args.ckpt, distributed_config=DistributedConfig(fsdp_size=world))
+                args.ckpt, distributed_config=DistributedConfig(fsdp_size=world // args.tp, tp_size=args.tp))
     else:
         import fsdptk
         from fsdptk.hf import from_pretrained
 
         def load():
-            return from_pretrained(args.ckpt, dims=fsdptk.ParallelDims(dp_shard=world))
+            return from_pretrained(args.ckpt, dims=fsdptk.ParallelDims(dp_shard=world // args.tp, tp=args.tp))
 
     gc.collect()
     dist.barrier()

@@ -11,7 +11,8 @@ the judge is transformers' single-process model:
   writer, and with ``writers=4`` the same tensors);
 - each rank reads only its experts' bytes;
 - full <-> sharded optimizer state by FQN (equal to single-process Adam's), ``save_dcp`` at
-  ``ep=2`` on 4 ranks resumed with ``load_dcp`` on 2 ranks without EP, exactly; the background save;
+  ``ep=2`` on 4 ranks resumed with ``load_dcp`` on 2 ranks without EP, and that saved again and
+  resumed at ``tp=2, ep=2`` on 4 ranks, exactly; the background save;
 - the all-to-all dispatch against the unsharded experts module for drawn routings (hypothesis):
   outputs and every gradient;
 - errors on every rank: an ``ep`` that does not divide the experts, a model without an EP plan,
@@ -156,9 +157,11 @@ def test_each_ep_rank_reads_only_its_experts(world, reference, dims_kw):
     assert set().union(*held) == set(range(8))
 
 
-def _adam_state_and_dcp(src: str, dims_kw: dict | None, out: str, save: bool) -> dict:
-    """A step of Adam (save) or a fresh model (resume), then load_dcp; the full model and
-    optimizer states on rank 0, and the optimizer state's full -> sharded -> full round trip."""
+def _adam_state_and_dcp(src: str, dims_kw: dict | None, out: str, save: bool,
+                        load_from: str = "dcp", then_save: str | None = None) -> dict:
+    """A step of Adam saved to ``dcp`` (save), or a fresh model resumed from ``load_from`` and
+    saved again to ``then_save``; the full model and optimizer states on rank 0, and the
+    optimizer state's full -> sharded -> full round trip."""
     import torch.distributed as dist
 
     from fsdptk import (
@@ -183,7 +186,9 @@ def _adam_state_and_dcp(src: str, dims_kw: dict | None, out: str, save: bool) ->
         save_dcp(model, f"{out}/dcp", opt)
         save_safetensors_async(model, f"{out}/async").wait()
     else:
-        load_dcp(model, f"{out}/dcp", opt)
+        load_dcp(model, f"{out}/{load_from}", opt)
+        if then_save:
+            save_dcp(model, f"{out}/{then_save}", opt)
     full_opt = get_full_optimizer_state_dict(model, opt, rank0)
     again = torch.optim.Adam(model.parameters(), lr=1e-3)
     load_from_full_optimizer_state_dict(model, again, full_opt, "cpu", broadcast_from_rank0=True)
@@ -215,14 +220,18 @@ def test_optimizer_state_and_dcp_resume_across_ep_degrees(world, reference, tmp_
         assert (got[key] - v).abs().max().item() <= 1e-6, key
     for key, v in _opt_tensors(saved["round_trip"]).items():
         assert torch.equal(v, got[key]), key
-    resumed = world(2).run(_adam_state_and_dcp, src, None, str(tmp_path), False)[0]
-    assert sorted(resumed["model"]) == sorted(saved["model"])
-    for k, v in saved["model"].items():
-        assert torch.equal(resumed["model"][k], v), k
-    again = _opt_tensors(resumed["opt"])
-    assert sorted(again) == sorted(got)
-    for key, v in got.items():
-        assert torch.equal(again[key], v), key
+    resumed = world(2).run(_adam_state_and_dcp, src, None, str(tmp_path), False, "dcp", "no-ep")[0]
+    # and back: saved without EP on 2 ranks, resumed at ep=2 with TP on 4
+    back = world(4).run(_adam_state_and_dcp, src, {"dp_shard": 2, "tp": 2, "ep": 2}, str(tmp_path),
+                        False, "no-ep")[0]
+    for run in (resumed, back):
+        assert sorted(run["model"]) == sorted(saved["model"])
+        for k, v in saved["model"].items():
+            assert torch.equal(run["model"][k], v), k
+        again = _opt_tensors(run["opt"])
+        assert sorted(again) == sorted(got)
+        for key, v in got.items():
+            assert torch.equal(again[key], v), key
     hub, written = _files(ref["src"]), _files(tmp_path / "async")  # the background save, Hub layout
     assert sorted(written) == sorted(hub)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "async").state_dict()

@@ -192,6 +192,42 @@ def test_a_failing_writer_leaves_the_previous_checkpoint_and_every_rank_raises(w
     assert _snapshot(tmp_path) == before  # nothing new, nothing lost, no temporary file
 
 
+def _save_killed_writer(dst: str, seed: int) -> tuple[str, str, float]:
+    """writers=4; rank 2's process dies at its first file write (a writer killed mid-save)."""
+    import os
+    import time
+
+    from fsdptk import save_safetensors
+    from fsdptk._files import safetensors_writer
+
+    model = _linear_stack(seed)
+    if dist.get_rank() == 2:
+        def die(self, key, tensor):  # noqa: ANN001, ANN202 - the writer's own signature
+            os._exit(3)
+
+        safetensors_writer.ShardFiles.write = die  # this process ends in it: nothing to restore
+    start = time.monotonic()
+    try:
+        save_safetensors(model, dst, writers=4)
+    except Exception as e:  # noqa: BLE001 - compared by the test
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "no error", "", time.monotonic() - start
+
+
+def test_a_killed_writer_makes_every_rank_raise_and_leaves_the_previous_checkpoint(world, tmp_path) -> None:
+    w = world(4)
+    w.run(_save_with_limit, str(tmp_path), 0, 4, None)
+    before = _snapshot(tmp_path)
+    res = w.run(_save_killed_writer, str(tmp_path), 1, timeout=60, return_exceptions=True)
+    assert isinstance(res[2], RemoteError) and res[2].exc_type == "WorkerDied", res[2]
+    for rank in (0, 1, 3):
+        kind, message, seconds = res[rank]
+        assert kind != "no error" and "rank 2" in message, res[rank]
+        assert seconds < 10, res[rank]  # within seconds, not a collective timeout
+    assert _snapshot(tmp_path) == before  # the previous checkpoint, complete; no temporary file
+    assert w.run(_save_with_limit, str(tmp_path), 2, 4, None) == ["model.safetensors.index.json"] * 4
+
+
 def _bad_writers(dst: str, writers: object) -> None:
     from fsdptk import save_safetensors
 
