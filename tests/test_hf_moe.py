@@ -109,6 +109,24 @@ def _logits(model, batch):
 
 # ---------------------------------------------------------------------------------------------
 # run on every rank
+def sgd_step(model, batch: torch.Tensor, dp_size: int, dp_rank: int) -> float:
+    """One SGD step of ``model`` on this data-parallel rank's rows of ``batch``; the mean of the
+    ranks' losses (the whole-batch loss when every rank holds as many rows). Leaves it in eval."""
+    import torch.distributed as dist
+
+    model.train()
+    per = _BATCH // dp_size
+    rows = batch[dp_rank * per:(dp_rank + 1) * per]
+    opt = torch.optim.SGD(model.parameters(), lr=_LR)
+    loss = model(input_ids=rows, labels=rows).loss
+    loss.backward()
+    opt.step()
+    loss = loss.detach()
+    dist.all_reduce(loss)
+    model.eval()
+    return loss.item() / dist.get_world_size()
+
+
 def _load_train_save(src: str, dims_kw, out: str) -> dict:
     import torch.distributed as dist
 
@@ -123,21 +141,12 @@ def _load_train_save(src: str, dims_kw, out: str) -> dict:
     save_safetensors(model, f"{out}/as-loaded")
     save_safetensors(model, f"{out}/fused", conversion=None)
 
-    model.train()
     dp_size = dist.get_world_size() if dims is None else dims.dp_degree
     dp_rank = dist.get_rank() if dims is None else dims.dp_rank
-    per = _BATCH // dp_size
-    rows = batch[dp_rank * per:(dp_rank + 1) * per]
-    opt = torch.optim.SGD(model.parameters(), lr=_LR)
-    loss = model(input_ids=rows, labels=rows).loss
-    loss.backward()
-    opt.step()
-    loss = loss.detach()
-    dist.all_reduce(loss)
-    model.eval()
+    loss = sgd_step(model, batch, dp_size, dp_rank)
     trained = _logits(model, batch)
     save_safetensors(model, f"{out}/trained")
-    return {"loaded": loaded, "loss": loss.item() / dist.get_world_size(), "trained": trained,
+    return {"loaded": loaded, "loss": loss, "trained": trained,
             "placements": placements}
 
 
@@ -155,16 +164,21 @@ def _reads(src: str, dims_kw) -> list[tuple[str, tuple[int, ...], int]]:
 
 
 # ---------------------------------------------------------------------------------------------
+def assert_like_the_reference(r: dict, ref: dict) -> None:
+    """One rank's loaded logits, step loss and trained logits against the single-process model's."""
+    diff = (r["loaded"] - ref["logits"]).abs().max().item()
+    assert diff <= _ATOL, f"logits differ from transformers' single-process load by {diff}"
+    assert r["loss"] == pytest.approx(ref["loss"], abs=1e-5)
+    diff = (r["trained"] - ref["trained"]).abs().max().item()
+    assert diff <= 1e-4, f"after one step the logits differ from the single-process step's by {diff}"
+
+
 @pytest.mark.parametrize("ranks, dims_kw, family", LAYOUTS, ids=_IDS)
 def test_hub_layout_loads_trains_and_saves_back(world, reference, tmp_path, ranks, dims_kw, family):
     ref = reference(family)
     results = world(ranks).run(_load_train_save, str(ref["src"]), dims_kw, str(tmp_path))
     for r in results:
-        diff = (r["loaded"] - ref["logits"]).abs().max().item()
-        assert diff <= _ATOL, f"logits differ from transformers' single-process load by {diff}"
-        assert r["loss"] == pytest.approx(ref["loss"], abs=1e-5)
-        diff = (r["trained"] - ref["trained"]).abs().max().item()
-        assert diff <= 1e-4, f"after one step the logits differ from the single-process step's by {diff}"
+        assert_like_the_reference(r, ref)
         names, placements = r["placements"]
         if dims_kw and "tp" in dims_kw:
             assert names == ("dp_shard", "tp") and "_StridedShard(dim=1" in placements[1]
