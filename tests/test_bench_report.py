@@ -125,3 +125,63 @@ def test_hf_worker_preclock_imports_are_the_same_for_both_methods(tmp_path):
         assert rank["load"]["read"] > 0  # the file reads were counted
     only = {m: sorted(seen[m] - seen[o])[:10] for m, o in (("transformers", "fsdptk"), ("fsdptk", "transformers"))}
     assert seen["transformers"] == seen["fsdptk"], f"modules imported before one method's clock only: {only}"
+
+
+class _Timed:
+    """Targets for the phase timers: a classmethod inherited by a subclass, a plain method."""
+
+    @classmethod
+    def build(cls, n: int) -> int:
+        return sum(range(n))
+
+    def step(self, n: int) -> int:
+        return n + 1
+
+
+class _TimedChild(_Timed):
+    pass
+
+
+def test_profile_phases_time_each_step_and_restore_it():
+    """``profile_hf_load --phases`` wraps each step named in its table: every step of both methods
+    exists in the installed fsdptk and transformers (a rename would otherwise time nothing), the
+    wrappers add up calls (an inherited classmethod is wrapped where it is defined), return what the
+    step returns, and the originals come back afterwards."""
+    pytest.importorskip("transformers")
+    import importlib
+
+    from benchmarks.profile_hf_load import PHASES, _install_timers
+
+    for method, steps in PHASES.items():
+        originals = []
+        for module_name, owner, name, _ in steps:
+            where = importlib.import_module(module_name)
+            target = getattr(where, owner) if owner else where
+            originals.append(getattr(target, name))
+        totals: dict[str, list[float]] = {}
+        restore = _install_timers(steps, totals)
+        try:
+            for (module_name, owner, name, _), before in zip(steps, originals):
+                where = importlib.import_module(module_name)
+                now = getattr(getattr(where, owner) if owner else where, name)
+                assert now != before, f"{method}: {module_name}.{owner}.{name} was not wrapped"
+        finally:
+            restore()
+        for (module_name, owner, name, _), before in zip(steps, originals):
+            where = importlib.import_module(module_name)
+            assert getattr(getattr(where, owner) if owner else where, name) == before
+
+    totals = {}
+    steps = [(__name__, "_TimedChild", "build", "build"), (__name__, "_Timed", "step", "step")]
+    restore = _install_timers(steps, totals)
+    try:
+        assert _TimedChild.build(200_000) == sum(range(200_000))
+        assert _TimedChild.build(10) == 45
+        assert _Timed().step(1) == 2
+    finally:
+        restore()
+    assert set(totals) == {"build", "step"}
+    wall, cpu = totals["build"]
+    assert wall > 0 and cpu > 0
+    assert _TimedChild.build(3) == 3 and "build" not in _TimedChild.__dict__
+    assert totals["build"] == [wall, cpu]  # restored: calls no longer counted
