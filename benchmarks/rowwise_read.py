@@ -29,6 +29,7 @@ import json
 import os
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,48 +71,49 @@ def mapped(jobs: list[dict[str, Any]], boxes: list[tuple[slice, slice]]) -> list
     return out
 
 
-def preadv(jobs: list[dict[str, Any]], boxes: list[tuple[slice, slice]]) -> list[torch.Tensor]:
-    fds: dict[str, int] = {}
-    out = []
-    try:
-        for job, (rows, cols) in zip(jobs, boxes):
-            fd = fds.get(job["file"]) or fds.setdefault(job["file"], os.open(job["file"], os.O_RDONLY))
-            item = job["dtype"].itemsize
-            n_rows, width = rows.stop - rows.start, cols.stop - cols.start
-            dest = torch.empty(n_rows, width, dtype=job["dtype"])
-            view = memoryview(dest.view(torch.uint8).numpy()).cast("B")
-            row_bytes, run = job["shape"][1] * item, width * item
-            gap = memoryview(bytearray(row_bytes - run))
-            iov: list[memoryview] = []
-            for i in range(n_rows):
-                iov.append(view[i * run:(i + 1) * run])
-                if i + 1 < n_rows:
-                    iov.append(gap)
-            pos = job["offset"] + rows.start * row_bytes + cols.start * item
-            for j in range(0, len(iov), IOV_MAX):
-                pos += os.preadv(fd, iov[j:j + IOV_MAX], pos)
-            out.append(dest)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return out
+def _with_files(read_one: Callable[[int, dict[str, Any], slice, slice], torch.Tensor]) -> Callable[..., list[torch.Tensor]]:
+    """A method that opens each file once and reads every job's piece with ``read_one(fd, job, rows, cols)``."""
+
+    def method(jobs: list[dict[str, Any]], boxes: list[tuple[slice, slice]]) -> list[torch.Tensor]:
+        fds: dict[str, int] = {}
+        try:
+            return [read_one(fds.get(job["file"]) or fds.setdefault(job["file"], os.open(job["file"], os.O_RDONLY)),
+                             job, rows, cols) for job, (rows, cols) in zip(jobs, boxes)]
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    return method
 
 
-def block(jobs: list[dict[str, Any]], boxes: list[tuple[slice, slice]]) -> list[torch.Tensor]:
-    fds: dict[str, int] = {}
-    out = []
-    try:
-        for job, (rows, cols) in zip(jobs, boxes):
-            fd = fds.get(job["file"]) or fds.setdefault(job["file"], os.open(job["file"], os.O_RDONLY))
-            item = job["dtype"].itemsize
-            scratch = torch.empty(rows.stop - rows.start, job["shape"][1], dtype=job["dtype"])
-            os.preadv(fd, [memoryview(scratch.view(torch.uint8).numpy()).cast("B")],
-                      job["offset"] + rows.start * job["shape"][1] * item)
-            out.append(scratch[:, cols].contiguous())
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return out
+def _preadv_one(fd: int, job: dict[str, Any], rows: slice, cols: slice) -> torch.Tensor:
+    item = job["dtype"].itemsize
+    n_rows, width = rows.stop - rows.start, cols.stop - cols.start
+    dest = torch.empty(n_rows, width, dtype=job["dtype"])
+    view = memoryview(dest.view(torch.uint8).numpy()).cast("B")
+    row_bytes, run = job["shape"][1] * item, width * item
+    gap = memoryview(bytearray(row_bytes - run))  # the columns between two rows' runs
+    iov: list[memoryview] = []
+    for i in range(n_rows):
+        iov.append(view[i * run:(i + 1) * run])
+        if i + 1 < n_rows:
+            iov.append(gap)
+    pos = job["offset"] + rows.start * row_bytes + cols.start * item
+    for j in range(0, len(iov), IOV_MAX):
+        pos += os.preadv(fd, iov[j:j + IOV_MAX], pos)
+    return dest
+
+
+def _block_one(fd: int, job: dict[str, Any], rows: slice, cols: slice) -> torch.Tensor:
+    item = job["dtype"].itemsize
+    scratch = torch.empty(rows.stop - rows.start, job["shape"][1], dtype=job["dtype"])
+    os.preadv(fd, [memoryview(scratch.view(torch.uint8).numpy()).cast("B")],
+              job["offset"] + rows.start * job["shape"][1] * item)
+    return scratch[:, cols].contiguous()
+
+
+preadv = _with_files(_preadv_one)
+block = _with_files(_block_one)
 
 
 def main(argv: list[str] | None = None) -> None:
