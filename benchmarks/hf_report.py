@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from .markers import GPU_BEGIN
 from .runner import REPO
 
 __all__ = ["HF_BEGIN", "HF_END", "aggregate", "render", "plot", "section", "hf_section", "write_docs"]
@@ -455,8 +456,6 @@ def hf_section(page_text: str) -> str:
 def write_docs(results: dict[str, Any], page: Path, *, source: str, notes: str, plot_world: int,
                plot_size: float) -> list[Path]:
     """Replace (or insert, before the GPU section) the hf section of ``page``; write its plots."""
-    from .report import GPU_BEGIN
-
     pngs = plot(results, page.parent / "img", world=plot_world, size=plot_size)
     block = section(results, source=source, notes=notes, pngs=pngs)
     text = page.read_text() if page.is_file() else ""

@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .hf_report import hf_section
+from .markers import GPU_BEGIN, GPU_END
 from .methods import METHODS, PEERS, SCENARIO_TITLES, SCENARIOS
 
 __all__ = ["aggregate", "render_tables", "write_docs", "ideal_time", "ideal_bytes", "plot_scaling",
@@ -637,8 +638,7 @@ def write_docs(results: dict, page: Path, *, notes: str = "", sources: list[str]
 
 # ----------------------------------------------------------------------------------------------
 # the GPU section of the results page (``--device cuda --write-docs``); the CPU page keeps it
-GPU_BEGIN = "<!-- gpu-section: written by `python -m benchmarks --device cuda --write-docs`; kept when the CPU page is regenerated -->"
-GPU_END = "<!-- /gpu-section -->"
+# (its markers live in markers.py, which hf_report.py reads too)
 
 
 def _gpu_intro() -> list[str]:
