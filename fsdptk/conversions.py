@@ -211,7 +211,13 @@ class Conversion:
                     raise ConversionProblem(f"{_fill(rule.targets[0], caps)!r} needs "
                                           f"{_fill(pattern, caps)!r}, which the checkpoint lacks")
                 ordered[pattern] = [leaf for _, leaf in got]
-            for target, node in apply_ops(rule.ops, ordered, rule.sources, rule.targets).items():
+            try:
+                built = apply_ops(rule.ops, ordered, rule.sources, rule.targets)
+            except ConversionProblem as e:
+                keys = [_fill(t, caps) for t in rule.targets]
+                raise ConversionProblem(f"model key {keys[0]!r}: {e}" if len(keys) == 1
+                                        else f"model keys {keys}: {e}") from None
+            for target, node in built.items():
                 add(_fill(target, caps), node, node.files()[0])
         return out
 

@@ -296,3 +296,113 @@ def test_bad_quantized_input_is_one_error_on_every_rank(world, release, tmp_path
         assert kind == "ConversionError", (kind, message)
         for n in needles:
             assert n in message, (n, message)
+
+
+# ---------------------------------------------------------------------------------------------
+# uint8 exponent scales (MXFP8-style ``2 ** (byte - 127)``)
+def _load_logits(path: str) -> torch.Tensor:
+    return _logits(from_pretrained(path, dtype=torch.float32))
+
+
+def test_uint8_exponent_scales_equal_their_definition_and_transformers(world, tmp_path):
+    """ue8m0 scales stored as their raw uint8 exponent bytes: every dequantized parameter equals
+    ``q * 2 ** (byte - 127)`` computed here from the definition, and transformers' own
+    dequantization of the same pair; the logits equal transformers' dequantizing load."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    dense = _dense("llama", tmp_path / "dense")
+    pairs = _quantize_dir(dense, tmp_path / "q", (32, 32), ue8m0=True)
+    tensors = load_file(tmp_path / "q" / "model.safetensors")
+    tensors = {k: v.view(torch.uint8) if k.endswith("_scale_inv") else v for k, v in tensors.items()}
+    save_file(tensors, tmp_path / "q" / "model.safetensors", metadata={"format": "pt"})
+    assert any(t.dtype == torch.uint8 for t in load_file(tmp_path / "q" / "model.safetensors").values())
+    got = world(2).run(_params, str(tmp_path / "q"), torch.float32)[0]
+    judge = Fp8Dequantize(None)
+    for k, (q, s) in pairs.items():
+        exps = s.view(torch.uint8)
+        by_definition = torch.pow(2.0, exps.to(torch.float32) - 127.0)
+        want = (q.float() * reference_scales(by_definition, q.shape, (32, 32))).float()
+        assert torch.equal(got[k], want), k
+        assert torch.equal(got[k], judge._dequantize_one(q, exps, torch.float32)), k
+    assert not torch.equal(got["model.layers.0.self_attn.q_proj.weight"],
+                           pairs["model.layers.0.self_attn.q_proj.weight"][0].float())  # scaled, not raw
+    want_logits = _judge(tmp_path / "q", "fp8")
+    for logits in world(2).run(_load_logits, str(tmp_path / "q")):
+        assert (logits - want_logits).abs().max().item() <= _ATOL
+
+
+# ---------------------------------------------------------------------------------------------
+# bad quantized layouts: one error on every rank, from the metadata, the model unchanged
+def _local(model) -> dict[str, torch.Tensor]:
+    return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _load_into_a_sharded_model(path: str) -> tuple[str, str, list[str]]:
+    """The unquantized model of ``path``'s config (real values), FSDP-sharded, then
+    ``load_safetensors`` of the bad release: (error class, message, keys whose values changed)."""
+    from fsdptk import load_safetensors, shard_model
+    from fsdptk.predicates import no_split_modules
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(path))
+    shard_model(model, no_split_modules(model), cpu_offload=False)
+    before = _local(model)
+    kind, message = raised(load_safetensors, model, path)
+    after = _local(model)
+    return kind, message, [k for k in before if not torch.equal(before[k], after[k])]
+
+
+def _break(root: Path, breakage: str) -> None:
+    tensors = load_file(root / "model.safetensors")
+    cfg = json.loads((root / "config.json").read_text())
+    quant = cfg["quantization_config"]
+    if breakage.startswith("block "):
+        quant["weight_block_size"] = json.loads(breakage.removeprefix("block "))
+    elif breakage == "1-D weight with scales":
+        norm = "model.layers.0.input_layernorm.weight"
+        tensors[norm] = tensors[norm].to(torch.float8_e4m3fn)
+        tensors[norm + "_scale_inv"] = torch.ones(1)
+    elif breakage == "scale rank":
+        key = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+        tensors[key] = tensors[key].reshape(1, *tensors[key].shape)
+    elif breakage == "scale dtype":
+        key = "model.layers.0.self_attn.q_proj.weight_scale_inv"
+        tensors[key] = tensors[key].to(torch.int32)
+    elif breakage == "mxfp4 groups of 8":
+        key = "model.layers.0.mlp.experts.down_proj_blocks"
+        tensors[key] = tensors[key].reshape(*tensors[key].shape[:-2], -1, 8)
+    elif breakage == "mxfp4 float scales":
+        key = "model.layers.0.mlp.experts.down_proj_scales"
+        tensors[key] = tensors[key].to(torch.float32)
+    else:
+        raise AssertionError(breakage)
+    save_file(tensors, root / "model.safetensors", metadata={"format": "pt"})
+    (root / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("breakage, needles", [
+    ("block [0, 32]", ["weight_block_size [0, 32]", "config.json's quantization_config", "positive ints"]),
+    ('block ["a", 32]', ["weight_block_size ['a', 32]", "config.json's quantization_config", "positive ints"]),
+    ("block [32, 32, 32]", ["weight_block_size [32, 32, 32]", "list of two ints"]),
+    ("block 32", ["weight_block_size 32", "list of two ints"]),
+    ("1-D weight with scales", ["'model.layers.0.input_layernorm.weight' has shape [64] (1-D)",
+                                "'model.layers.0.input_layernorm.weight_scale_inv' of shape [1]"]),
+    ("scale rank", ["'model.layers.0.self_attn.q_proj.weight_scale_inv' has shape [1, 2, 2]",
+                    "shape [64, 64]", "needs a scale grid of [2, 2]"]),
+    ("scale dtype", ["'model.layers.0.self_attn.q_proj.weight_scale_inv'", "torch.int32"]),
+    ("mxfp4 groups of 8", ["'model.layers.0.mlp.experts.down_proj_blocks' (shape [4, 64, 4, 8])",
+                           "'model.layers.0.mlp.experts.down_proj_scales' (shape [4, 64, 2])"]),
+    ("mxfp4 float scales", ["'model.layers.0.mlp.experts.down_proj_scales' is torch.float32", "uint8"]),
+])
+def test_bad_quantized_layouts_are_refused_from_the_metadata_the_model_unchanged(world, tmp_path, breakage,
+                                                                                  needles):
+    if breakage.startswith("mxfp4"):
+        _mxfp4_dir(_dense("gpt_oss", tmp_path / "dense"), tmp_path / "q")
+    else:
+        _quantize_dir(_dense("llama", tmp_path / "dense"), tmp_path / "q", (32, 32))
+    _break(tmp_path / "q", breakage)
+    for kind, message, changed in world(2).run(_load_into_a_sharded_model, str(tmp_path / "q"), timeout=60):
+        assert kind == "ConversionError", (kind, message)
+        assert all(n in message for n in needles), (needles, message)
+        assert changed == [], changed

@@ -9,8 +9,10 @@ same mapping is used as data: the keys are renamed by transformers' own
 as in transformers), and each converter's operations are replayed on the engine's
 :class:`~fsdptk._engine.sources.convert.Node` trees (``MergeModulelist`` -> ``Stack``,
 ``Concatenate`` -> ``Concat``, ``Chunk`` -> ``Chunk``, ``Transpose`` -> ``Transpose``), which read
-only what each rank's box covers. An operation without a per-box translation is run by
-transformers itself on the whole source tensors (correct, not shard-planned).
+only what each rank's box covers; ``Transpose(check_dims=True)`` is decided from the shapes (the
+checkpoint's against the model's). A checkpoint that needs an operation without a per-box
+translation (``Interleave``, ``Split``, ``PermuteForRope``, ...) is refused when the trees are
+built, for loads and saves alike, naming the operation and the keys: before any tensor moves.
 
 The save direction asks transformers for the checkpoint layout ``save_pretrained`` writes
 (``core_model_loading.revert_weight_conversion`` on shape-only ``meta`` tensors), builds the same
@@ -19,14 +21,13 @@ trees over it, and writes each model tensor back through the trees' inverse.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 from torch import nn
 
-from fsdptk._engine.layouts import Box, extract, full_box
 from fsdptk._engine.sources import TensorMeta
 from fsdptk._engine.sources.convert import (
     Chunk,
@@ -65,59 +66,33 @@ def _mapping(model: nn.Module, *, legacy: bool) -> list[Any]:
 
 
 @dataclass(eq=False)
-class _Opaque(Node):
-    """A target transformers converts with an operation that has no per-box translation: the
-    group's source tensors are read whole and converted by transformers' own converter."""
-
-    group: _Group
-    target: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    def read(self, source: Any, box: Box) -> torch.Tensor:
-        return extract(self.group.run(source)[self.target], box)
-
-    def leaves(self, box: Box) -> Iterator[tuple[str, Box]]:
-        for keys in self.group.inputs.values():
-            for _, node in keys:
-                yield from node.leaves(full_box(node.shape))
-
-    def split(self, full: torch.Tensor) -> Iterator[tuple[Any, torch.Tensor]]:
-        raise NotImplementedError(
-            f"{self.target!r}: transformers converts it with {self.group.converter.operations}, which "
-            "fsdptk cannot write back per tensor; save with conversion=None (the model's own layout)")
-
-
-@dataclass(eq=False)
 class _Group:
+    """The checkpoint tensors one converter combines into one layer: ``{source pattern: [(key,
+    node)]}`` in the checkpoint's order."""
+
     converter: Any
     layer: str
     model: Any
     inputs: dict[str, list[tuple[str, Node]]]
 
-    def run(self, source: Any) -> dict[str, torch.Tensor]:
-        import copy
-
-        conv = copy.deepcopy(self.converter)
-        for pattern, keys in self.inputs.items():
-            for _, node in keys:
-                conv.collected_tensors[pattern].append(lambda node=node: node.read(source, full_box(node.shape)))
-        return dict(conv.convert(self.layer, model=self.model, config=getattr(self.model, "config", None)))
+    def keys(self) -> list[str]:
+        return [k for pairs in self.inputs.values() for k, _ in pairs]
 
 
-def _translate(op: Any, config: Any) -> tuple[Op, list[str] | None] | None:
-    """transformers' op -> (the engine's op, targets override) or None (no per-box translation)."""
+def _translate(op: Any) -> Op | None:
+    """transformers' op -> the engine's op, or None (no per-box translation; a ``Transpose`` with
+    ``check_dims`` is decided from the shapes by the caller)."""
     from transformers import core_model_loading as cml
 
     kind = type(op)
     if kind is cml.MergeModulelist:
-        return Stack(op.dim), None
+        return Stack(op.dim)
     if kind is cml.Concatenate:
-        return Concat(op.dim), None
+        return Concat(op.dim)
     if kind is cml.Chunk:
-        return Chunk(op.dim), None
+        return Chunk(op.dim)
     if kind is cml.Transpose and not op.check_dims:
-        return Transpose(op.dim0, op.dim1), None
+        return Transpose(op.dim0, op.dim1)
     return None
 
 
@@ -174,30 +149,50 @@ def hub_nodes(model: nn.Module, metas: Mapping[str, TensorMeta], *, legacy: bool
         conv = by_pattern[pattern]
         group = groups.setdefault(target, _Group(conv, target, model, {}))
         group.inputs.setdefault(pattern, []).append((key, leaves[key]))
-    for layer, group in groups.items():
+    for group in groups.values():
         for target, node in _convert_group(group, model_shapes).items():
             if target in origin:
                 raise ConversionProblem(f"checkpoint keys {origin[target]!r} and {node.files()[0]!r} both "
                                       f"load into {target!r}")
-            origin[target] = node.files()[0] if not isinstance(node, _Opaque) else layer
+            origin[target] = node.files()[0]
             nodes[target] = node
     return nodes
 
 
 def _convert_group(group: _Group, model_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Node]:
+    """The group's target nodes.
+
+    Raises:
+        ConversionProblem: an operation fsdptk has no per-box plan for (named, with the keys).
+    """
     conv = group.converter
     sources, targets = list(conv.source_patterns), list(conv.target_patterns)
     ops: list[Op] = []
     for op in conv.operations:
-        got = _translate(op, getattr(group.model, "config", None))
+        got = _translate(op)
         if got is None:
-            return _opaque(group)
+            checked = _check_dims_plan(op, group, model_shapes, first=not ops)
+            if checked == "keep":
+                continue  # a tensor already in the model's layout: as it is
+            if checked == "transpose":
+                got = Transpose(op.dim0, op.dim1)
+        if got is None:
+            keys = group.keys()
+            raise ConversionProblem(
+                f"{group.layer!r}: transformers converts checkpoint keys {keys[:4]}"
+                f"{f' (and {len(keys) - 4} more)' if len(keys) > 4 else ''} with {type(op).__name__}, "
+                "an operation fsdptk has no per-shard plan for; pass conversion=None to read or write the "
+                "model's own keys, or declare the rules with fsdptk.conversions (docs/layouts.md)")
         if type(op).__name__ == "Chunk" and op.num_shards_attribute is not None:
             targets = op.get_target_patterns(targets, config=group.model.config)
-        ops.append(got[0])
+        ops.append(got)
     _check_experts(group, model_shapes, ops)
     inputs: dict[str, list[Node]] = {p: [node for _, node in group.inputs[p]] for p in sources if p in group.inputs}
-    out = apply_ops(ops, inputs, sources, targets)
+    if not ops:  # every operation kept the layout: the one tensor, renamed
+        (only,) = [n for ns in inputs.values() for n in ns]
+        out: dict[str, Node] = {targets[0]: only}
+    else:
+        out = apply_ops(ops, inputs, sources, targets)
     full = group.layer.replace("*.", "0.") if "*." in group.layer else group.layer
     named: dict[str, Node] = {}
     for pattern, node in out.items():
@@ -245,28 +240,19 @@ def _check_experts(group: _Group, model_shapes: Mapping[str, tuple[int, ...]], o
             f"{' ...' if len(missing) > 8 else ''}")
 
 
-def _opaque(group: _Group) -> dict[str, Node]:
-    """Shapes by running transformers' converter on ``meta`` tensors; reads run it for real."""
-    import copy
-
-    conv = copy.deepcopy(group.converter)
-    for pattern, keys in group.inputs.items():
-        for _, node in keys:
-            conv.collected_tensors[pattern].append(
-                lambda node=node: torch.empty(node.shape, dtype=node.dtype, device="meta"))
-    out = dict(conv.convert(group.layer, model=group.model, config=getattr(group.model, "config", None)))
-    cache: dict[int, dict[str, torch.Tensor]] = {}
-
-    class _Cached(_Group):
-        def run(self, source: Any) -> dict[str, torch.Tensor]:
-            got = cache.get(id(source))
-            if got is None:
-                cache.clear()
-                got = cache[id(source)] = _Group.run(self, source)
-            return got
-
-    shared = _Cached(group.converter, group.layer, group.model, group.inputs)
-    return {k: _Opaque(shared, k, tuple(v.shape), v.dtype) for k, v in out.items()}
+def _check_dims_plan(op: Any, group: _Group, model_shapes: Mapping[str, tuple[int, ...]], *, first: bool
+                     ) -> Literal["keep", "transpose"] | None:
+    """transformers' ``Transpose(check_dims=True)`` planned from the shapes, as transformers runs
+    it: ``"keep"`` when the checkpoint tensor already has the model's shape, else ``"transpose"``;
+    ``None`` when ``op`` is another operation or the shapes cannot decide (not the first operation
+    of a one-tensor group, or a layer the model lacks)."""
+    if type(op).__name__ != "Transpose" or not getattr(op, "check_dims", False):
+        return None
+    nodes = [n for pairs in group.inputs.values() for _, n in pairs]
+    want = model_shapes.get(group.layer)
+    if not first or len(nodes) != 1 or want is None:
+        return None
+    return "keep" if tuple(nodes[0].shape) == tuple(want) else "transpose"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,9 +295,13 @@ _FP8 = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasa
 
 
 def _fp8_leaves(plain: dict[str, Leaf], quant: Mapping[str, Any]) -> dict[str, Node]:
-    from fsdptk._engine.sources.quant import FP8Blocks
+    from fsdptk._engine.sources.quant import FP8Blocks, block_size_problem
 
     block = quant.get("weight_block_size")
+    problem = None if block is None else block_size_problem(block)
+    if problem is not None:
+        raise ConversionProblem(f"config.json's quantization_config has weight_block_size {block!r}: {problem}, "
+                                "e.g. [128, 128] (or no weight_block_size: one scale per tensor)")
     out: dict[str, Node] = {}
     scales = {k for k in plain if k.endswith("_scale_inv")}
     for key, leaf in plain.items():
@@ -319,7 +309,12 @@ def _fp8_leaves(plain: dict[str, Leaf], quant: Mapping[str, Any]) -> dict[str, N
             continue  # consumed with their weight; static activation scales have no use dequantized
         scale_key = (key[:-len(".weight")] + ".weight_scale_inv") if key.endswith(".weight") else key + "_scale_inv"
         if scale_key in plain:
-            grid = (leaf.shape[-2], leaf.shape[-1]) if block is None else (int(block[0]), int(block[1]))
+            if block is not None:
+                grid = (block[0], block[1])
+            elif len(leaf.shape) >= 2:  # one scale per tensor: the whole weight is one block
+                grid = (max(leaf.shape[-2], 1), max(leaf.shape[-1], 1))
+            else:  # FP8Blocks refuses a weight under 2-D, naming it
+                grid = (1, 1)
             out[key] = FP8Blocks(leaf, plain[scale_key], grid)
         elif leaf.dtype in _FP8:
             raise ConversionProblem(

@@ -37,7 +37,7 @@ from fsdptk._engine.layouts import Box, box_shape, extract, full_box
 __all__ = [
     "ConversionProblem", "Node", "Leaf", "Stacked", "Concatenated", "Transposed", "Part",
     "Transformed", "ConvertedSource", "Unconverter", "Stack", "Concat", "Chunk", "Transpose",
-    "Transform", "Op", "apply_ops",
+    "Transform", "Op", "apply_ops", "box_indices",
 ]
 
 
@@ -48,8 +48,19 @@ class ConversionProblem(ValueError):
 
 # ----------------------------------------------------------------------------------------------
 # box helpers
-def _indices(b: Any) -> list[int]:
+def box_indices(b: Any) -> list[int]:
+    """The indices one dim of a box selects (a slice or an index tuple), in order.
+
+    Examples:
+        >>> box_indices(slice(2, 5)), box_indices((0, 3))
+        ([2, 3, 4], [0, 3])
+    """
     return list(range(b.start, b.stop)) if isinstance(b, slice) else list(b)
+
+
+def _show(box: Box) -> str:
+    """A box as ``[0:2, 1:4]`` for messages (index tuples as lists)."""
+    return "[" + ", ".join(f"{b.start}:{b.stop}" if isinstance(b, slice) else str(list(b)) for b in box) + "]"
 
 
 def _as_box(idx: list[int]) -> Any:
@@ -135,12 +146,12 @@ class Stacked(Node):
 
     def read_into(self, source: Any, box: Box, out: torch.Tensor) -> None:
         sub = self._sub(box)
-        for j, i in enumerate(_indices(box[self.dim])):
+        for j, i in enumerate(box_indices(box[self.dim])):
             self.children[i].read_into(source, sub, out.select(self.dim, j))
 
     def leaves(self, box: Box) -> Iterator[tuple[str, Box]]:
         sub = self._sub(box)
-        for i in _indices(box[self.dim]):
+        for i in box_indices(box[self.dim]):
             yield from self.children[i].leaves(sub)
 
     def split(self, full: torch.Tensor) -> Iterator[tuple[Any, torch.Tensor]]:
@@ -171,7 +182,7 @@ class Concatenated(Node):
         self.shape = first.shape[:self.dim] + (self.offsets[-1],) + first.shape[self.dim + 1:]
 
     def _parts(self, box: Box) -> Iterator[tuple[Node, Box]]:
-        idx = _indices(box[self.dim])
+        idx = box_indices(box[self.dim])
         for c, lo, hi in zip(self.children, self.offsets, self.offsets[1:]):
             mine = [i - lo for i in idx if lo <= i < hi]
             if mine:
@@ -270,6 +281,12 @@ class Transformed(Node):
     A box reads the child's whole tensor (the hook may move any element anywhere), unless the
     hook says it keeps boxes (``box_wise``: ``forward(piece)`` of a box is that box's piece, e.g.
     a cast or an elementwise map), in which case only the box is read.
+
+    What the hook yields is checked against what it declares (``shape``, ``dtype``): once when
+    the node is built, by running ``forward`` on a ``meta`` tensor of the child's shape (no data;
+    a hook that cannot run on ``meta`` is checked on read only), and on every read (the piece's
+    shape and dtype against the box's), so a wrong declaration is a :class:`ConversionProblem`
+    naming both shapes before a value reaches the model.
     """
 
     child: Node
@@ -279,10 +296,34 @@ class Transformed(Node):
     dtype: torch.dtype
     box_wise: bool = False
 
+    def __post_init__(self) -> None:
+        probe = torch.empty(self.child.shape, dtype=self.child.dtype, device="meta")
+        try:
+            out = self.forward(probe)
+        except Exception:  # noqa: BLE001 - the hook needs values (or an op has no meta kernel): checked on read
+            return
+        self._check(out, tuple(self.shape), "the whole tensor")
+
+    def _check(self, out: Any, want: tuple[int, ...], where: str) -> None:
+        """Raise unless ``out`` is a tensor of shape ``want`` and the declared dtype."""
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == want and (
+                self.dtype is None or out.dtype == self.dtype):
+            return
+        got = (f"shape {list(out.shape)} ({out.dtype})" if isinstance(out, torch.Tensor)
+               else f"a {type(out).__name__}, not a tensor")
+        raise ConversionProblem(
+            f"the Transform of checkpoint tensor {self.child.files()[0]!r} (shape {list(self.child.shape)}, "
+            f"{self.child.dtype}) declares shape {list(want)} ({self.dtype}) for {where}, but its forward "
+            f"returned {got}; declare what it returns (Transform(..., shape=..., dtype=...)) or fix the forward")
+
     def read(self, source: Any, box: Box) -> torch.Tensor:
         if self.box_wise:
-            return self.forward(self.child.read(source, box))
-        return extract(self.forward(self.child.read(source, full_box(self.child.shape))), box)
+            out = self.forward(self.child.read(source, box))
+            self._check(out, box_shape(box), f"box {_show(box)}")
+            return out
+        out = self.forward(self.child.read(source, full_box(self.child.shape)))
+        self._check(out, tuple(self.shape), "the whole tensor")
+        return extract(out, box)
 
     def leaves(self, box: Box) -> Iterator[tuple[str, Box]]:
         return self.child.leaves(box if self.box_wise else full_box(self.child.shape))
@@ -466,15 +507,20 @@ class ConvertedSource(Mapping[str, Any]):
         inner: the checkpoint (read through :func:`~fsdptk._engine.sources.as_source`).
         nodes: model key -> node, in the order the keys are listed.
         on_read: called with each checkpoint key after it is read (progress, accounting).
+        error: the class a read raises when a node finds what it reads to differ from what it
+            declares (default :class:`ConversionProblem`; the public functions pass
+            :class:`fsdptk.errors.ConversionError`).
     """
 
     def __init__(self, inner: Mapping[str, Any], nodes: Mapping[str, Node], *,
-                 on_read: Callable[[str, Box], None] | None = None) -> None:
+                 on_read: Callable[[str, Box], None] | None = None,
+                 error: type[ValueError] = ConversionProblem) -> None:
         from fsdptk._engine.sources import as_source
 
         self.inner, self.nodes = inner, dict(nodes)
         self._source = as_source(inner)
         self._on_read = on_read
+        self._error = error
 
     @property
     def private_reads(self) -> bool:
@@ -504,10 +550,19 @@ class ConvertedSource(Mapping[str, Any]):
         return TensorMeta(tuple(node.shape), node.dtype)
 
     def read(self, key: str, box: Box | None = None) -> torch.Tensor:
+        """The piece of model tensor ``key`` at ``box`` (the whole tensor by default).
+
+        Raises:
+            ConversionProblem: (or the class given as ``error``) a node found what it reads to
+                differ from what it declares (a :class:`Transform` returning another shape or
+                dtype); the message names ``key``.
+        """
         node = self.nodes[key]
         box = full_box(node.shape) if box is None else box
-        out = node.read(self._reader, box)
-        return out
+        try:
+            return node.read(self._reader, box)
+        except ConversionProblem as e:
+            raise self._error(f"model key {key!r}: {e}") from e
 
     @property
     def _reader(self) -> Any:

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from fsdptk._engine.layouts import Box
-from fsdptk._engine.sources.convert import ConversionProblem, Node
+from fsdptk._engine.sources.convert import ConversionProblem, Node, box_indices
 
-__all__ = ["FP8Blocks", "MXFP4Blocks", "FP4_VALUES", "scale_grid"]
+__all__ = ["FP8Blocks", "MXFP4Blocks", "FP4_VALUES", "scale_grid", "block_size_problem"]
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -46,8 +46,22 @@ def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...
     return (*shape[:-2], -(-shape[-2] // block[0]), -(-shape[-1] // block[1]))
 
 
-def _idx(b: Any) -> list[int]:
-    return list(range(b.start, b.stop)) if isinstance(b, slice) else list(b)
+def block_size_problem(block: Any) -> str | None:
+    """Why ``block`` is not a block size (two positive ints: rows, columns), or ``None``.
+
+    Example:
+        >>> block_size_problem([128, 128]) is None, block_size_problem([0, 32])
+        (True, 'its entries must be positive ints, got [0, 32]')
+    """
+    if not isinstance(block, (list, tuple)) or len(block) != 2:
+        return f"it must be a list of two ints (block rows, block columns), got {block!r}"
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block):
+        return f"its entries must be positive ints, got {list(block)!r}"
+    return None
+
+
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.uint8,
+                 *(getattr(torch, n) for n in ("float8_e8m0fnu",) if hasattr(torch, n)))
 
 
 def _scales_f32(s: torch.Tensor) -> torch.Tensor:
@@ -71,12 +85,25 @@ class FP8Blocks(Node):
     block: tuple[int, int]
 
     def __post_init__(self) -> None:
-        want = scale_grid(self.weight.shape, self.block)
-        if len(self.weight.shape) < 2 or tuple(self.scale.shape) != want:
+        wkey, skey = self.weight.files()[0], self.scale.files()[0]
+        wshape, sshape = list(self.weight.shape), list(self.scale.shape)
+        problem = block_size_problem(self.block)
+        if problem is not None:
+            raise ConversionProblem(f"{wkey!r} (shape {wshape}) has block scales {skey!r}, but the block "
+                                    f"size is not one: {problem}")
+        if len(wshape) < 2:
             raise ConversionProblem(
-                f"{self.scale.files()[0]!r} has shape {list(self.scale.shape)}, but weight "
-                f"{self.weight.files()[0]!r} of shape {list(self.weight.shape)} in blocks of "
+                f"{wkey!r} has shape {wshape} ({len(wshape)}-D) with block scales {skey!r} of shape {sshape}: "
+                "block scales cover the last two dims of a weight of at least 2 dims")
+        want = scale_grid(self.weight.shape, self.block)
+        if tuple(sshape) != want:
+            raise ConversionProblem(
+                f"{skey!r} has shape {sshape}, but weight {wkey!r} of shape {wshape} in blocks of "
                 f"{list(self.block)} needs a scale grid of {list(want)}")
+        if self.scale.dtype not in _SCALE_DTYPES:
+            raise ConversionProblem(
+                f"{skey!r} (the scales of {wkey!r}) is {self.scale.dtype}; FP8 block scales are float32, "
+                "bfloat16, float16, float8_e8m0fnu or uint8 exponents")
         self.shape, self.dtype = tuple(self.weight.shape), torch.float32
 
     def _scale_box(self, box: Box) -> tuple[Box, list[list[int]]]:
@@ -84,7 +111,7 @@ class FP8Blocks(Node):
         lead, out = box[:-2], []
         sbox: list[Any] = list(lead)
         for b, n in zip(box[-2:], self.block):
-            ix = _idx(b)
+            ix = box_indices(b)
             lo = min(ix) // n if ix else 0
             hi = max(ix) // n + 1 if ix else 0
             sbox.append(slice(lo, hi))
@@ -138,12 +165,15 @@ class MXFP4Blocks(Node):
             raise ConversionProblem(
                 f"{self.blocks.files()[0]!r} (shape {list(b)}) and {self.scales.files()[0]!r} (shape "
                 f"{list(s)}) are not an MXFP4 pair: blocks [..., rows, groups, 16] with scales [..., rows, groups]")
+        for node, what in ((self.blocks, "blocks (two e2m1 values a byte)"), (self.scales, "scales (e8m0 exponents)")):
+            if node.dtype != torch.uint8:
+                raise ConversionProblem(f"{node.files()[0]!r} is {node.dtype}: MXFP4 {what} are uint8")
         self.shape = (*b[:-3], b[-2] * 32, b[-3])
         self.dtype = torch.float32
 
     def _source_boxes(self, box: Box) -> tuple[Box, Box, list[int]]:
         lead, cols, rows = box[:-2], box[-2], box[-1]  # model [.., groups*32, rows]
-        ix = _idx(cols)
+        ix = box_indices(cols)
         g0 = min(ix) // 32 if ix else 0
         g1 = max(ix) // 32 + 1 if ix else 0
         sbox = (*lead, rows, slice(g0, g1))
