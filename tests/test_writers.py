@@ -5,9 +5,9 @@ Qwen3-MoE saved with ``writers=4`` hold exactly the tensors ``writers=1`` writes
 transformers' ``from_pretrained`` loads them; the bytes each rank writes (``/proc/self/io``
 ``write_bytes``) are within 1.5x of an even share. A writer whose writes fail for real (the
 file-size limit, ``RLIMIT_FSIZE``, on one rank) leaves the previous checkpoint as it was and every
-rank raises its error naming it. The background save takes ``writers`` too. The file-to-writer
-assignment is checked as a property (hypothesis): every file has exactly one writer, the load of
-every writer stays within the stated bound, and every rank computes the same.
+rank raises its error naming it. The background save takes ``writers`` too. Only the tests that
+build a transformers model need transformers; the file-to-writer assignment's properties are in
+tests/test_writer_assignment.py.
 """
 
 from __future__ import annotations
@@ -16,20 +16,15 @@ import json
 import resource
 import signal
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from safetensors.torch import load_file
 from torch import nn
 
-from fsdptk._engine.gather import Holdings
-from fsdptk._files.writers import SHARE_SLACK, WriterAssignment, assign_files, file_groups
 from fsdptk.testing import RemoteError
-
-transformers = pytest.importorskip("transformers")
 
 MESHES = {"fsdp": {"dp_shard": 4}, "tp": {"dp_shard": 2, "tp": 2}, "hsdp": {"dp_replicate": 2, "dp_shard": 2}}
 
@@ -66,7 +61,13 @@ def _written_bytes() -> int:
     raise AssertionError("no write_bytes in /proc/self/io")
 
 
+def _transformers() -> ModuleType:
+    """transformers, or a skip of the test that needs it (the others run without it)."""
+    return pytest.importorskip("transformers")
+
+
 def _llama(root: Path) -> Path:
+    transformers = _transformers()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
@@ -76,6 +77,7 @@ def _llama(root: Path) -> Path:
 
 
 def _qwen3_moe(root: Path) -> Path:
+    transformers = _transformers()
     torch.manual_seed(0)
     config = transformers.Qwen3MoeConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2, vocab_size=250, num_experts_per_tok=2,
@@ -100,6 +102,7 @@ def _save_both(src: str, dims_kw: dict, out: str, max_shard_size: int | str) -> 
 
 
 def _check_loads_in_transformers(src: Path, saved: Path) -> None:
+    transformers = _transformers()
     ref = transformers.AutoModelForCausalLM.from_pretrained(src).state_dict()
     got = transformers.AutoModelForCausalLM.from_pretrained(saved).state_dict()
     _assert_same(got, ref)
@@ -270,56 +273,3 @@ def test_background_save_with_writers_and_one_writer_per_host(world, tmp_path) -
     for hosts, two in results:
         assert hosts == ["0"]  # one machine, one network namespace: one host, rank 0 writes
         assert two == 2
-
-
-# ----------------------------------------------------------------------------------------------
-# the file-to-writer assignment
-@st.composite
-def _layouts(draw):
-    n = draw(st.integers(1, 40))
-    sizes = draw(st.lists(st.integers(0, 10**6), min_size=n, max_size=n))
-    items = draw(st.lists(st.lists(st.integers(0, n - 1), min_size=1, max_size=3, unique=True), max_size=60))
-    writers = draw(st.integers(1, 9))
-    locality = draw(st.lists(st.integers(0, 10**6), min_size=n * writers, max_size=n * writers))
-    return sizes, items, writers, locality
-
-
-@settings(max_examples=200)
-@given(_layouts(), st.booleans())
-def test_assignment_is_whole_balanced_and_deterministic(layout, use_locality) -> None:
-    sizes, items, writers, locality = layout
-    groups = file_groups(items, len(sizes))
-    assert sorted(f for g in groups for f in g) == list(range(len(sizes)))  # a partition of the files
-    for files in items:  # the files of one model tensor share a group
-        assert len({next(i for i, g in enumerate(groups) if f in g) for f in files}) == 1
-
-    def local(g: int, w: int) -> int:
-        return locality[groups[g][0] * writers + w]
-
-    out = assign_files(sizes, groups, writers, local if use_locality else None)
-    assert len(out) == len(sizes) and all(0 <= w < writers for w in out)  # each file exactly one writer
-    for g in groups:
-        assert len({out[f] for f in g}) == 1
-    load = [sum(s for s, w in zip(sizes, out) if w == k) for k in range(writers)]
-    share, largest = sum(sizes) / writers, max(sum(sizes[f] for f in g) for g in groups)
-    assert max(load) <= max(SHARE_SLACK * share, share + largest) + 1e-6
-    assert out == assign_files(list(sizes), [list(g) for g in groups], writers,
-                               local if use_locality else None)
-
-
-def _assignment_on_this_rank(item_files, sizes, boxes, hosts) -> list[int]:
-    items = [(f"t{i}", torch.empty(0, dtype=torch.float32)) for i in range(len(item_files))]
-    assignment = WriterAssignment([0, 2], item_files, sizes, items)
-    dests = assignment(Holdings(boxes=boxes, hosts=hosts))
-    return dests + (assignment.files or [])
-
-
-def test_assignment_is_the_same_on_every_rank(world) -> None:
-    """Each worker process has its own hash seed: sets and dicts must not steer the assignment."""
-    item_files = [[0], [1, 2], [3], [4], [5]]
-    sizes = [300, 200, 250, 100, 120, 500]
-    boxes = [[(slice(0, 4),) if (i + r) % 2 else None for i in range(5)] for r in range(4)]
-    hosts = ["a", "a", "b", "b"]
-    results = world(4).run(_assignment_on_this_rank, item_files, sizes, boxes, hosts)
-    assert all(r == results[0] for r in results)
-    assert set(results[0]) == {0, 2}
