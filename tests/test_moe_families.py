@@ -1,7 +1,7 @@
 """Every Mixture-of-Experts family docs/layouts.md names, with transformers' own tiny config (issue 40).
 
-tests/test_hf_moe.py covers Mixtral, Qwen3-MoE, DeepSeek-V3 and gpt-oss in depth (HSDP, TP, a
-training step, reads per rank). Here each other family the docs name (MiniMax, Qwen2-MoE,
+tests/test_hf_moe.py covers Mixtral, Qwen3-MoE, DeepSeek-V3 and gpt-oss in depth (FSDP, HSDP, TP
+but for gpt-oss, a training step, reads per rank). Here each other family the docs name (MiniMax, Qwen2-MoE,
 DeepSeek-V2, GLM-4.5, OLMoE, Ernie 4.5, dots1) is written with ``save_pretrained`` (the Hub layout:
 one tensor per expert) and, at 2 gloo ranks (FSDP):
 
