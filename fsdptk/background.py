@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdptk._core.arguments import agree_arguments
 from fsdptk._core.compat import dtensor_like, local_tensor
 from fsdptk._core.dist import has_process_group, is_rank0, run_agreed, using_group
 from fsdptk._files.common import Rename
@@ -367,8 +368,10 @@ def save_safetensors_async(
         PendingSave: ``wait()`` returns the index file or ``model.safetensors``.
 
     Raises:
-        ValueError, TypeError: bad arguments, a tensor on ``meta``; on every rank, during the
-            call (nothing started).
+        ValueError, TypeError: bad arguments, a tensor on ``meta``; ranks that passed different
+            values of an argument :func:`fsdptk.save_safetensors` agrees (``writers``,
+            ``conversion``, ...: a ValueError naming it and every rank's value); on every rank,
+            during the call (nothing started).
         OSError: rank 0 cannot stage the config files; on every rank, during the call.
         Exception: every error of the save itself (a lock held by another writer, a full disk,
             a failed read, a dead rank) is raised by ``wait()``, on every rank.
@@ -392,6 +395,9 @@ def save_safetensors_async(
 
     started = time.monotonic()
     group = _begin()
+    agree_arguments("save_safetensors_async", writers=writers, conversion=conversion,
+                    max_shard_size=max_shard_size, tied=tied, dtype=dtype, rename=rename, metadata=metadata,
+                    bucket_bytes=bucket_bytes)
     nodes = run_agreed(lambda: save_layout(model, conversion))
     plan = plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
                       rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress,
@@ -453,7 +459,8 @@ def save_dcp_async(
         PendingSave: ``wait()`` returns ``path``.
 
     Raises:
-        TypeError: as :func:`fsdptk.save_dcp`, on every rank, during the call.
+        TypeError, ValueError: as :func:`fsdptk.save_dcp` (a ValueError when the ranks disagree on
+            whether an optimizer or ``extra`` is given), on every rank, during the call.
         Exception: every error of the write itself (a lock held by another writer, an
             unwritable directory, a dead rank) is raised by ``wait()``, on every rank.
 
@@ -471,7 +478,7 @@ def save_dcp_async(
 
     started = time.monotonic()
     group = _begin()
-    path, state = dcp_state(model, path, optimizer, extra)
+    path, state = dcp_state(model, path, optimizer, extra, call="save_dcp_async")
 
     def take() -> dict[str, Any]:
         snap = _Snapshot()

@@ -20,13 +20,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import nn
 
+from fsdptk._core.arguments import ArgumentsView, agree_arguments, arguments_view, check_arguments
 from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
-from fsdptk._core.dist import all_gather_object, is_rank0, raise_if_any, run_agreed
+from fsdptk._core.dist import all_gather_object, error_payload, is_rank0, raise_if_any, raise_lowest, run_agreed
 from fsdptk._engine import bucket_size
 from fsdptk._engine.sources import RenamedSource
 from fsdptk._files.common import Rename, infer_device, progress_bar, rename_keys
@@ -98,30 +99,44 @@ def _converted_view(ckpt: SafetensorsCheckpoint, model: nn.Module, conversion: C
     return ConvertedSource(ckpt, nodes, on_read=count), total
 
 
-def _open_agreed(path: Path, shard_on_read: bool | None) -> tuple[SafetensorsCheckpoint | None, bool]:
-    """Open the checkpoint where it will be read; agree on the mode (and on errors) across ranks.
+class _OpenView(NamedTuple):
+    """What each rank tells the others as a load opens its checkpoint (the call's first exchange)."""
 
+    arguments: ArgumentsView  # the call's arguments that change the exchange, agreed first
+    error: Any  # error_payload of this rank's bad argument, or None
+    readable: bool  # this rank opened the checkpoint
+
+
+def _open_agreed(path: Path, shard_on_read: bool | None, arguments: ArgumentsView
+                 ) -> tuple[SafetensorsCheckpoint | None, bool]:
+    """Open the checkpoint where it will be read; agree on the arguments, the mode and errors.
+
+    One object exchange: every rank's ``arguments`` (ranks that differ raise one ValueError on
+    every rank, naming them), a bad ``shard_on_read``, and whether it could open the files.
     ``None`` (auto) means shard-on-read when every rank can open the files (headers checked), else
     rank-0-read when rank 0 can; an error is raised on every rank only when rank 0 cannot read it
     or an explicit ``shard_on_read=True`` rank cannot.
     """
     rank0 = is_rank0()
-    ckpt, error = None, None
-    if shard_on_read is not False or rank0:
+    ckpt, error, bad = None, None, None
+    if shard_on_read is not None and not isinstance(shard_on_read, bool):
+        bad = TypeError(f"shard_on_read must be a bool or None, got {shard_on_read!r}")
+    elif shard_on_read is not False or rank0:
         try:
             ckpt = SafetensorsCheckpoint(path)
         except Exception as e:  # noqa: BLE001 - agreed below
             error = e
-    views = all_gather_object((shard_on_read, ckpt is not None))
-    modes = {mode for mode, _ in views}
-    if len(modes) > 1:
+    views = all_gather_object(_OpenView(arguments=arguments, error=error_payload(bad), readable=ckpt is not None))
+    try:
+        check_arguments([v.arguments for v in views])
+        raise_lowest([v.error for v in views], bad)
+    except BaseException:
         if ckpt is not None:
             ckpt.close()
-        raise ValueError(f"ranks passed different shard_on_read values {[m for m, _ in views]}; "
-                         "pass the same value (or None) on every rank")
+        raise
     if shard_on_read is None:
-        shard_on_read = all(ok for _, ok in views)
-        if not shard_on_read and views[0][1]:  # rank 0 reads and scatters; the others need nothing
+        shard_on_read = all(v.readable for v in views)
+        if not shard_on_read and views[0].readable:  # rank 0 reads and scatters; the others need nothing
             if not rank0 and ckpt is not None:
                 ckpt.close()
             return (ckpt if rank0 else None), False
@@ -196,13 +211,15 @@ def load_safetensors(
         ConversionError: (a ``ValueError``) checkpoint tensors the conversion cannot combine: a
             missing per-expert tensor (named), tensors that do not stack (both shapes), two keys
             for one model key; on every rank, before the model changes.
-        ValueError: a rename collision, a shape mismatch, ``bucket_bytes`` not a positive int;
-            non-persistent buffers on ``meta`` that no rule can compute (names them and the
-            remedies), on every rank.
+        ValueError: the ranks passed different ``shard_on_read``, ``conversion``, ``rename``,
+            ``strict`` or ``bucket_bytes`` (names each and every rank's value; in the call's first
+            exchange, before anything is read); a rename collision, a shape mismatch,
+            ``bucket_bytes`` not a positive int; non-persistent buffers on ``meta`` that no rule can
+            compute (names them and the remedies), on every rank.
         StateDictMismatchError: ``strict=True`` (the default) with missing or unexpected keys (a
             ``RuntimeError`` with torch's message, carrying ``missing_keys`` and
             ``unexpected_keys``), on every rank before the model changes.
-        TypeError: ``shard_on_read`` is not a bool or None.
+        TypeError: ``shard_on_read`` is not a bool or None, on every rank.
 
     Examples:
         >>> import tempfile, torch
@@ -220,9 +237,9 @@ def load_safetensors(
 
     path = Path(path)
     wait_for_pending(path)
-    if shard_on_read is not None and not isinstance(shard_on_read, bool):
-        raise TypeError(f"shard_on_read must be a bool or None, got {shard_on_read!r}")
-    ckpt, shard_on_read = _open_agreed(path, shard_on_read)
+    arguments = arguments_view("load_safetensors", shard_on_read=shard_on_read, conversion=conversion,
+                               rename=rename, strict=strict, bucket_bytes=bucket_bytes)
+    ckpt, shard_on_read = _open_agreed(path, shard_on_read, arguments)
     try:
         names = run_agreed(lambda: rename_keys(ckpt.keys() if ckpt is not None else [], rename,
                                                what="checkpoint key"), on=ckpt is not None)
@@ -334,10 +351,12 @@ def save_safetensors(
         Path: the index file, or the single ``model.safetensors`` (on every rank).
 
     Raises:
-        ValueError: bad ``tied`` / ``max_shard_size`` / ``bucket_bytes``, ``writers`` below 1 or above
-            the world size (or different on different ranks), a rename collision, or (``write_config``)
-            transformers' save-time validation refuses the model's config; every rank, before any
-            tensor moves.
+        ValueError: the ranks passed different ``writers``, ``conversion``, ``max_shard_size``,
+            ``tied``, ``dtype``, ``rename``, ``metadata`` or ``bucket_bytes`` (names each and every
+            rank's value, before any file is opened); bad ``tied`` / ``max_shard_size`` /
+            ``bucket_bytes``, ``writers`` below 1 or above the world size, a rename collision, or
+            (``write_config``) transformers' save-time validation refuses the model's config; every
+            rank, before any tensor moves.
         TypeError: ``dtype`` is not a floating ``torch.dtype``; ``writers`` is neither an int nor
             ``"host"``.
         OSError: the directory cannot be created or written, or has too little free space, or a
@@ -359,6 +378,8 @@ def save_safetensors(
         'model.safetensors'
     """
     wait_for_pending()
+    agree_arguments("save_safetensors", writers=writers, conversion=conversion, max_shard_size=max_shard_size,
+                    tied=tied, dtype=dtype, rename=rename, metadata=metadata, bucket_bytes=bucket_bytes)
     nodes = run_agreed(lambda: save_layout(model, conversion))
     plan = plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
                       rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress,

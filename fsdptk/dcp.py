@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from fsdptk import errors
+from fsdptk._core.arguments import agree_arguments
 from fsdptk._core.calls import old_form
 from fsdptk._core.dist import all_gather_object, comm_group, has_process_group, is_rank0, run_agreed
 from fsdptk._core.dist import world as _world
@@ -208,6 +209,8 @@ def save_dcp(
         TypeError: ``extra`` holds other objects (e.g. a numpy array), on every rank; ``model`` is
             not an ``nn.Module`` or ``path`` not a path, or the arguments are in the old order
             ``save_dcp(path, model, ...)`` (the message says how to call it now).
+        ValueError: some ranks pass an ``optimizer`` (or ``extra``) and others do not (names the
+            argument and every rank's value), on every rank, before anything is taken or written.
         CheckpointLockedError: another writer holds ``path``'s lock (a ``BlockingIOError`` naming
             its pid, host and start time), on every rank.
         OSError: the directory cannot be written (on every rank).
@@ -226,13 +229,22 @@ def save_dcp(
     return write_dcp(state, path)
 
 
+def _given(value: Any) -> str | None:
+    """Whether an optional argument is given (its type), the form agreed across ranks where its
+    presence changes what is exchanged and its value may differ per rank."""
+    return None if value is None else type(value).__qualname__
+
+
 def dcp_state(model: nn.Module, path: PathLike, optimizer: torch.optim.Optimizer | None,
-               extra: dict[str, Any] | None) -> tuple[Path, dict[str, Any]]:
-    """The front half of :func:`save_dcp`: arguments checked, DCP's state of the model and
-    optimizer taken, ``extra`` serialised; each step agreed on every rank. Package-internal (not in
-    ``__all__``): :mod:`fsdptk.background` snapshots what it returns."""
+               extra: dict[str, Any] | None, *, call: str = "save_dcp") -> tuple[Path, dict[str, Any]]:
+    """The front half of :func:`save_dcp` (``call`` names it in errors): the presence of
+    ``optimizer`` and ``extra`` agreed across ranks (they add entries every rank's DCP plan must
+    have), arguments checked, DCP's state of the model and optimizer taken, ``extra`` serialised;
+    each step agreed on every rank. Package-internal (not in ``__all__``): :mod:`fsdptk.background`
+    snapshots what it returns."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    agree_arguments(call, optimizer=_given(optimizer), extra=_given(extra))
     run_agreed(lambda: _check_order("save_dcp", model, path, ", optimizer, extra=..."))
     path = Path(path)
     # local steps between collectives: a failure on one rank is raised on every rank
@@ -332,6 +344,8 @@ def load_dcp(
             the model changes.
         TypeError: ``model`` is not an ``nn.Module`` or ``path`` not a path, or the arguments are
             in the old order ``load_dcp(path, model, ...)`` (the message says how to call it).
+        ValueError: some ranks pass an ``optimizer`` and others do not, or ``strict`` differs
+            (names the argument and every rank's value), on every rank, before anything is read.
 
     Examples:
         See :func:`save_dcp`.
@@ -345,6 +359,7 @@ def load_dcp(
         set_state_dict,
     )
 
+    agree_arguments("load_dcp", optimizer=_given(optimizer), strict=strict)
     run_agreed(lambda: _check_order("load_dcp", model, path, ", optimizer"))
     wait_for_pending(path)
     path, keys = run_agreed(lambda: _readable_keys(Path(path)))

@@ -109,8 +109,11 @@ def plan_save(model: nn.Module, path: PathLike, *, max_shard_size: int | str, ti
     """The front half of :func:`fsdptk.save_safetensors`: arguments checked, items and file layout
     planned. ``conversion`` (model key -> node over the checkpoint's layout) writes each model
     tensor as the checkpoint tensors its node reads (the Hub layout); ``rename`` then applies to
-    those keys. ``writers`` (an int or ``"host"``) is agreed on every rank first (collective with
-    several ranks): :func:`fsdptk._files.writers.writer_ranks`."""
+    those keys. ``writers`` (an int or ``"host"``): :func:`fsdptk._files.writers.writer_ranks`
+    (collective when above 1). The caller agrees every argument across ranks first
+    (:func:`fsdptk._core.arguments.agree_arguments`: the same ``writers``, ``max_shard_size``,
+    ``tied``, ``dtype``, ``rename``, ``metadata`` and ``bucket_bytes`` on every rank), so the
+    checks here raise the same error on every rank and ``writers=1`` needs no exchange."""
     path = Path(path)
     ranks = writer_ranks(writers) if writers != 1 else [0]
     limit = parse_size(max_shard_size)

@@ -53,6 +53,8 @@ def save_adapter(
         Path: ``path / "adapter_model.safetensors"`` (on every rank).
 
     Raises:
+        ValueError: the ranks passed different ``adapter_name`` or ``bucket_bytes`` (names each
+            and every rank's value); on every rank, nothing written.
         TypeError: ``model`` has no PEFT adapter; on every rank, nothing written.
         KeyError: the model has no adapter ``adapter_name`` (names the ones it has); on every rank,
             nothing written.
@@ -74,10 +76,12 @@ def save_adapter(
     """
     import sys
 
+    from fsdptk._core.arguments import agree_arguments
     from fsdptk._core.dist import is_rank0, run_agreed
     from fsdptk._files.save import write_streamed
     from fsdptk._plans import peft as _peft
 
+    agree_arguments("save_adapter", adapter_name=adapter_name, bucket_bytes=bucket_bytes)
     path = Path(path)
     names = run_agreed(lambda: _peft.adapter_file_names(model, adapter_name))  # every rank alike
     sd = model.state_dict(keep_vars=True)
@@ -136,9 +140,11 @@ def load_adapter(
         KeyError: the model has no adapter ``adapter_name``; on every rank.
         FileNotFoundError: no ``adapter_model.safetensors`` (or ``adapter_config.json``) in
             ``path``; on every rank.
-        ValueError: a tensor whose shape differs from the adapter's (key and both shapes, and the
-            two ranks ``r``), or with ``strict`` a config that disagrees; on every rank, before the
-            model changes.
+        ValueError: the ranks passed different ``adapter_name``, ``strict``, ``shard_on_read`` or
+            ``bucket_bytes`` (names each and every rank's value, before anything is read); a
+            tensor whose shape differs from the adapter's (key and both shapes, and the two ranks
+            ``r``), or with ``strict`` a config that disagrees; on every rank, before the model
+            changes.
         StateDictMismatchError: ``strict=True`` and keys missing or unexpected; on every rank,
             before the model changes.
 
@@ -157,10 +163,13 @@ def load_adapter(
         Traceback (most recent call last):
         TypeError: Linear has no PEFT adapter (no peft_config of PeftConfig objects): wrap it with peft.get_peft_model(model, config) before sharding
     """
+    from fsdptk._core.arguments import agree_arguments
     from fsdptk._core.dist import all_gather_object, is_rank0, run_agreed
     from fsdptk._plans import peft as _peft
     from fsdptk.checkpoint import load_safetensors
 
+    agree_arguments("load_adapter", adapter_name=adapter_name, strict=strict, shard_on_read=shard_on_read,
+                    bucket_bytes=bucket_bytes)
     path = Path(path)
     names = run_agreed(lambda: _peft.adapter_file_names(model, adapter_name))
     config = _peft.require_adapter(model, adapter_name)

@@ -31,6 +31,7 @@ PathLike = str | os.PathLike[str]
 class _DirectoryView(NamedTuple):
     """What each rank tells the others about the checkpoint directory (one object exchange)."""
 
+    arguments: Any  # _core.arguments.ArgumentsView of the call's arguments, agreed first
     error: Any  # error_payload(...) of this rank's argument or config failure, or None
     sees_config: bool  # this rank read config.json itself
 
@@ -80,15 +81,37 @@ def _dims_for_world(dims: ParallelDims | None, world_size: int,
     return dims
 
 
+def _arguments(dims: Any, dtype: Any, mp_policy: Any, activation_checkpointing: Any, device: Any,
+               shard_on_read: Any, trust_remote_code: Any, world_size: int) -> Any:
+    """This rank's view of the arguments that change what the ranks exchange: ``dims`` by its
+    degrees (``None`` as the default it stands for), the device by its type (each rank has its
+    own index), the rest as given."""
+    from fsdptk._core.arguments import arguments_view
+    from fsdptk.mesh import ParallelDims
+
+    if dims is None:
+        dims = ParallelDims(world_size=world_size)
+    try:
+        device = None if device is None else torch.device(device).type
+    except (RuntimeError, TypeError):  # a bad device is the caller's error, raised later as it was
+        pass
+    return arguments_view("from_pretrained", dims=dims, dtype=dtype, mp_policy=mp_policy,
+                          activation_checkpointing=activation_checkpointing, device=device,
+                          shard_on_read=shard_on_read, trust_remote_code=trust_remote_code)
+
+
 def _meta_model_on_every_rank(directory: Path, dims: ParallelDims | None, dtype: torch.dtype | None,
                               mp_policy: MixedPrecisionPolicy | None, check_args: Any,
-                              trust_remote_code: bool) -> tuple[nn.Module, ParallelDims]:
+                              trust_remote_code: bool, arguments: Any) -> tuple[nn.Module, ParallelDims]:
     """The model on ``meta`` and the checked dims on every rank, or one error on every rank.
 
-    ``check_args()`` validates the arguments first. Rank 0 reads the directory's config (so it must see the directory); so does every other rank
-    that sees ``config.json``. Their outcomes are agreed in one exchange; when some rank does not
-    see the directory (files on rank 0's host only), rank 0's config is sent to it.
+    ``check_args()`` validates the arguments first. Rank 0 reads the directory's config (so it must
+    see the directory); so does every other rank that sees ``config.json``. Their outcomes and
+    every rank's ``arguments`` (:func:`_arguments`: ranks that differ raise one ValueError naming
+    them, before any mesh is built) are agreed in one exchange; when some rank does not see the
+    directory (files on rank 0's host only), rank 0's config is sent to it.
     """
+    from fsdptk._core.arguments import check_arguments
     from fsdptk._core.dist import all_gather_object, error_payload, raise_lowest, world
 
     world_size, rank = world()
@@ -105,7 +128,9 @@ def _meta_model_on_every_rank(directory: Path, dims: ParallelDims | None, dtype:
             no_split_modules(model)  # a model without units fails here, before any mesh
     except Exception as e:  # noqa: BLE001 - agreed just below
         error = e
-    views = all_gather_object(_DirectoryView(error=error_payload(error), sees_config=model is not None))
+    views = all_gather_object(_DirectoryView(arguments=arguments, error=error_payload(error),
+                                             sees_config=model is not None))
+    check_arguments([v.arguments for v in views])
     raise_lowest([v.error for v in views], error)
     blind = [r for r, v in enumerate(views) if not v.sees_config]
     if blind:
@@ -181,6 +206,11 @@ def from_pretrained(
     ``load_safetensors`` also recomputes the non-persistent buffers (rotary tables) that the meta
     build left on ``meta``. Collective: call it on every rank with the same arguments.
 
+    Arguments are agreed first: ranks that pass different ``dims`` (any degree), ``dtype``,
+    ``mp_policy``, ``activation_checkpointing``, device type, ``shard_on_read`` or
+    ``trust_remote_code`` raise, on every rank, one ValueError naming each and every rank's value,
+    before any mesh is built or any weight is read.
+
     Failures are agreed: a directory without ``config.json`` (rank 0 must see it), dims whose
     product is not the world size, a TP size the attention heads do not divide, a model without a
     TP plan or without ``_no_split_modules`` raise the same error on every rank (the failing
@@ -225,10 +255,11 @@ def from_pretrained(
 
     Raises:
         FileNotFoundError: no directory or no ``config.json`` on rank 0, or a missing weight file.
-        ValueError: dims that do not match the world size, heads the TP size does not divide, a
-            model without a TP plan (``tp > 1``), without an EP plan (``ep > 1``; also an ``ep``
-            that does not divide the number of experts) or without ``_no_split_modules``, an
-            unknown ``model_type``; ``mp_policy`` without a process group.
+        ValueError: ranks that passed different arguments (above); dims that do not match the
+            world size, heads the TP size does not divide, a model without a TP plan (``tp > 1``),
+            without an EP plan (``ep > 1``; also an ``ep`` that does not divide the number of
+            experts) or without ``_no_split_modules``, an unknown ``model_type``; ``mp_policy``
+            without a process group.
         StateDictMismatchError: the files' keys are not the model's (strict load).
         TypeError: an argument of the wrong type.
 
@@ -274,7 +305,7 @@ def _from_pretrained(directory: Path, dims: ParallelDims | None, dtype: torch.dt
                      device: torch.device | str | None, shard_on_read: bool | None,
                      trust_remote_code: bool) -> nn.Module:
     """:func:`from_pretrained`'s composition (the collector already paused)."""
-    from fsdptk._core.dist import agreed, has_process_group
+    from fsdptk._core.dist import agreed, has_process_group, world
     from fsdptk._files.common import infer_device
     from fsdptk.activation import apply_activation_checkpointing
     from fsdptk.checkpoint import load_safetensors
@@ -286,7 +317,9 @@ def _from_pretrained(directory: Path, dims: ParallelDims | None, dtype: torch.dt
         directory, dims, dtype, mp_policy,
         lambda: _check_from_pretrained_args(dims, dtype, mp_policy, activation_checkpointing,
                                             shard_on_read, trust_remote_code),
-        trust_remote_code)
+        trust_remote_code,
+        _arguments(dims, dtype, mp_policy, activation_checkpointing, device, shard_on_read,
+                   trust_remote_code, world()[0]))
     device = infer_device(model) if device is None else torch.device(device)
     units = no_split_modules(model)
     if has_process_group():
