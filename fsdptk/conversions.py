@@ -239,15 +239,16 @@ def resolve_load(model: Any, conversion: ConversionArg, metas: Mapping[str, Any]
 
     if not is_hf_model(model):
         return None
+    from fsdptk._engine.sources import TensorMeta
     from fsdptk._plans.hf_convert import quantization
 
-    if quantization(model) is None and set(metas) <= set(model.state_dict(keep_vars=True)):
-        # every checkpoint key is a model key: nothing to convert, and no need for transformers'
-        # rule table (building it compiles every family's patterns: 0.16 s once per process)
-        return None
-    from fsdptk._engine.sources import TensorMeta
-
     as_metas = {k: m if isinstance(m, TensorMeta) else TensorMeta(tuple(m[0]), m[1]) for k, m in metas.items()}
+    own = {k: tuple(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
+    if quantization(model) is None and all(tuple(m.shape) == own.get(k) for k, m in as_metas.items()):
+        # every checkpoint tensor is a model tensor of its shape: nothing to convert, and no need for
+        # transformers' rule table (building it compiles every family's patterns: 0.16 s once per
+        # process); a model key of another shape may be one transformers transposes (check_dims)
+        return None
     try:
         return hub_nodes(model, as_metas)
     except ConversionProblem as e:

@@ -67,3 +67,125 @@ def test_cli_speaks_the_hub_layout(moe_dir, tmp_path, capsys):
     assert main(["convert", str(moe_dir), str(tmp_path / "raw"), "--keep-keys"]) == 0
     assert main(["inspect", str(tmp_path / "raw"), "--json"]) == 0
     assert "model.layers.0.mlp.experts.3.up_proj.weight" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers operations: refused up front without a per-shard plan; Transpose(check_dims) planned
+class InterleavedLlamaConfig(transformers.LlamaConfig):
+    """A Llama whose checkpoints keep gate and up interleaved in one tensor (as transformers'
+    inkling mappings declare it: ``Interleave`` then ``Chunk``), registered below by model type
+    (a class name would not survive ``fully_shard``, which renames the root's class)."""
+
+    model_type = "fsdptk_test_interleaved"
+
+
+class TransposedLlamaConfig(transformers.LlamaConfig):
+    """A Llama whose down projections may be stored transposed (``Transpose(check_dims=True)``, as
+    transformers' Qwen3-VL-MoE mapping declares its experts)."""
+
+    model_type = "fsdptk_test_transposed"
+
+
+def _register() -> None:
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Chunk, Interleave, Transpose, WeightConverter
+
+    register_checkpoint_conversion_mapping(InterleavedLlamaConfig.model_type, [WeightConverter(
+        "mlp.gate_up.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Interleave(dim=0), Chunk(dim=0)])],
+        overwrite=True)
+    register_checkpoint_conversion_mapping(TransposedLlamaConfig.model_type, [WeightConverter(
+        "mlp.down_proj.weight", "mlp.down_proj.weight", [Transpose(0, 1, check_dims=True)])], overwrite=True)
+
+
+_LLAMA = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=64, tie_word_embeddings=False)
+
+
+def _sharded(config_cls: type):
+    from fsdptk import shard_model
+    from fsdptk.predicates import no_split_modules
+
+    _register()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config_cls(**_LLAMA))
+    shard_model(model, no_split_modules(model), cpu_offload=False)
+    return model
+
+
+def _local(model) -> dict[str, torch.Tensor]:
+    return {k: (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def _refused(path: str, action: str) -> tuple[str, str, list[str]]:
+    from fsdptk import load_safetensors, save_safetensors
+
+    model = _sharded(InterleavedLlamaConfig)
+    before = _local(model)
+    kind, message = "no error", ""
+    try:
+        if action == "load":
+            load_safetensors(model, path)
+        else:
+            save_safetensors(model, path)
+    except Exception as e:  # noqa: BLE001 - compared across ranks by the test
+        kind, message = type(e).__name__, str(e)
+    after = _local(model)
+    return kind, message, [k for k in before if not torch.equal(before[k], after[k])]
+
+
+def _snapshot(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("action", ["load", "save"])
+def test_an_op_without_a_per_shard_plan_is_refused_up_front(world, tmp_path, action):
+    """transformers' ``Interleave`` has no per-box plan in fsdptk: a load of a checkpoint that
+    needs it and a save into its layout are refused on every rank from the metadata, naming the
+    operation and the keys; the model keeps its values and the directory is as it was."""
+    torch.manual_seed(1)
+    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA))
+    plain.save_pretrained(tmp_path)
+    if action == "load":  # the Hub layout of the interleaved family: one gate_up tensor per layer
+        tensors = load_file(tmp_path / "model.safetensors")
+        for i in range(2):
+            pre = f"model.layers.{i}.mlp."
+            gate, up = tensors.pop(pre + "gate_proj.weight"), tensors.pop(pre + "up_proj.weight")
+            tensors[pre + "gate_up.weight"] = torch.stack([gate, up], 1).reshape(-1, gate.shape[1])
+        from safetensors.torch import save_file
+
+        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    before = _snapshot(tmp_path)
+    for kind, message, changed in world(2).run(_refused, str(tmp_path), action, timeout=60):
+        assert kind == "ConversionError", (kind, message)
+        for needle in ("Interleave", "model.layers.0.mlp.gate_up.weight", "no per-shard plan", "conversion=None"):
+            assert needle in message, (needle, message)
+        assert changed == [], changed
+    assert _snapshot(tmp_path) == before  # nothing written, nothing removed
+
+
+def _load_transposed(path: str) -> dict[str, torch.Tensor]:
+    from fsdptk import gather_cpu_state_dict, load_safetensors
+
+    model = _sharded(TransposedLlamaConfig)
+    load_safetensors(model, path)
+    return gather_cpu_state_dict(model, torch.distributed.get_rank() == 0)
+
+
+@pytest.mark.parametrize("stored", ["as the model", "transposed"])
+def test_transpose_with_check_dims_is_planned_from_the_shapes(world, tmp_path, stored):
+    """``Transpose(check_dims=True)``: a tensor stored in the model's shape is read as it is, one
+    stored transposed is transposed (transformers' own rule), each rank reading its box only."""
+    torch.manual_seed(2)
+    plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA))
+    plain.save_pretrained(tmp_path)
+    if stored == "transposed":
+        from safetensors.torch import save_file
+
+        tensors = load_file(tmp_path / "model.safetensors")
+        tensors = {k: v.t().contiguous() if k.endswith("down_proj.weight") else v for k, v in tensors.items()}
+        save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    got = world(2).run(_load_transposed, str(tmp_path), timeout=60)[0]
+    want = plain.state_dict()
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
