@@ -133,6 +133,20 @@ def test_the_writers_hang_of_issue_40_is_an_error_in_an_empty_directory(world, t
     assert not dst.exists()
 
 
+def _writer_ranks(values: tuple) -> tuple[str, str]:
+    from fsdptk._files.writers import writer_ranks
+
+    return _raised(writer_ranks, _mine(values)["writers"])
+
+
+def test_writer_ranks_names_every_ranks_writers_before_checking_them(world) -> None:
+    """The writers' own exchange (a save agrees its arguments before it): rank 1's bad value is
+    named beside rank 0's, not raised alone."""
+    results = world(2).run(_writer_ranks, ("writers", "host", 5), timeout=60)
+    _assert_every_rank(results, _disagreement("writer_ranks", "writers", "'host'", "5"))
+    assert world(2).run(_writer_ranks, ("writers", "host", "host"), timeout=60) == [("no error", "")] * 2
+
+
 # ----------------------------------------------------------------------------------------------
 # loads: load_safetensors
 def _load(src: str, values: tuple) -> tuple[str, str, bool]:

@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from fsdptk._core.arguments import ArgumentsView, check_arguments, describe
 from fsdptk._core.dist import all_gather_object, error_payload, host_key, raise_lowest
 from fsdptk._core.dist import world as _world
 from fsdptk._engine.gather import Holdings
@@ -39,7 +40,7 @@ SHARE_SLACK = 1.25  # a writer may take a group up to this multiple of the even 
 class _WritersView(NamedTuple):
     """What each rank sends when the writers are agreed."""
 
-    writers: str  # repr of the ``writers`` argument it was given
+    writers: str  # the ``writers`` argument it was given (_core.arguments.describe)
     host: str  # its host (host name and network namespace)
     error: Any  # error_payload of its bad argument, or None
 
@@ -65,8 +66,8 @@ def writer_ranks(writers: int | str) -> list[int]:
 
     Raises:
         TypeError: ``writers`` is neither an int nor ``"host"`` (names the value), on every rank.
-        ValueError: ``writers`` is below 1 or above the world size, or ranks passed different
-            values (names them), on every rank.
+        ValueError: ranks passed different values (names every rank's; checked before the
+            values themselves), or ``writers`` is below 1 or above the world size, on every rank.
 
     Examples:
         >>> writer_ranks(1)
@@ -78,11 +79,9 @@ def writer_ranks(writers: int | str) -> list[int]:
         _check(writers, world)
     except (TypeError, ValueError) as e:
         error = e
-    views = all_gather_object(_WritersView(writers=repr(writers), host=host_key(), error=error_payload(error)))
+    views = all_gather_object(_WritersView(writers=describe(writers), host=host_key(), error=error_payload(error)))
+    check_arguments([ArgumentsView(call="writer_ranks", values=(("writers", v.writers),)) for v in views])
     raise_lowest([v.error for v in views], error)
-    given = [v.writers for v in views]
-    if len(set(given)) > 1:
-        raise ValueError(f"ranks passed different writers values {given}; pass the same on every rank")
     if writers == "host":
         first: dict[str, int] = {}
         for r, v in enumerate(views):
