@@ -15,6 +15,7 @@ Examples::
     .venv-peers/bin/python -m benchmarks async-save --size 1 --worlds 2 4  # background vs synchronous saves
     python -m benchmarks adapter-save --worlds 2     # LoRA adapter save vs accelerate's FSDP2 path
     python -m benchmarks hf --quick                  # transformers' distributed load/save beside fsdptk's
+    python -m benchmarks weight-sync --size 1 --worlds 2 4   # weights out to an inference engine (issue 41)
 
 ``--device cuda`` runs the same scenarios with each rank on its own GPU (``cuda:<rank>``) over NCCL:
 shards are loaded onto / gathered from the GPUs, the in-memory full states the methods read are in
@@ -345,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         from .hf_peer import main as hf_main
 
         return hf_main(argv[1:])
+    if argv[:1] == ["weight-sync"]:  # weight_source beside vLLM's ModuleSource, gather-all and raw p2p
+        from .weight_sync import main as weight_sync_main
+
+        return weight_sync_main(argv[1:])
     args = parse_args(argv)
     if args.device == "cuda" and not args.from_json:
         problem = cuda_problem(args)
