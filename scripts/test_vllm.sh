@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The vLLM test environment (issue 41): fsdptk.hf.weight_source checked against vLLM's own
+# weight-transfer protocol classes (WeightSource, ParamMeta, ModuleSource), which import on CPU.
+#
+# Creates (or reuses) ./.venv-vllm: Python 3.11 with vLLM 0.33.0, which pins its own torch (2.14.0,
+# PyPI's CUDA build; it runs on the CPU) and transformers (< 5.21); then fsdptk (editable) WITHOUT
+# its dependencies, so vLLM's torch stays, plus the few packages fsdptk and its tests need that vLLM
+# does not bring (installed against vLLM's torch and transformers, pinned). Safe to run again: it
+# installs only what is missing. Then runs the tests of the weight source in it.
+#
+# Needs about 10 GB of disk for the environment (vLLM and torch's CUDA libraries) and a few GB more
+# while installing.
+#
+# Usage: bash scripts/test_vllm.sh [pytest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=.venv-vllm
+VLLM_VERSION=0.33.0
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+    PY="$(bash scripts/find_python.sh 3.11)" || { echo "[vllm] needs Python 3.11 (set PYTHON=...)" >&2; exit 1; }
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "[vllm] creating $VENV with $("$PY" -c 'import sys; print("Python", sys.version.split()[0])')"
+    "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+have() {  # have DIST [VERSION]: the distribution is installed (at exactly VERSION when given)
+    "$VPY" - "$@" <<'EOF' >/dev/null 2>&1
+import sys
+from importlib.metadata import PackageNotFoundError, version
+try:
+    got = version(sys.argv[1])
+except PackageNotFoundError:
+    sys.exit(1)
+sys.exit(0 if len(sys.argv) < 3 or got == sys.argv[2] else 1)
+EOF
+}
+if ! have vllm "$VLLM_VERSION"; then
+    FREE_KB="$(df -Pk "$VENV" | awk 'NR == 2 {print $4}')"
+    if [ "$FREE_KB" -lt $((14 * 1024 * 1024)) ]; then
+        echo "[vllm] installing vllm==$VLLM_VERSION needs about 14 GB free; $VENV has $((FREE_KB / 1024)) MB" >&2
+        exit 1
+    fi
+    echo "[vllm] installing vllm==$VLLM_VERSION into $VENV (several GB: torch's CUDA libraries)"
+    "$VPY" -m pip install -q --no-cache-dir "vllm==$VLLM_VERSION"
+fi
+# everything after vLLM keeps vLLM's torch and transformers (a constraint file pins what it installed)
+PINS="$(mktemp)"
+trap 'rm -f "$PINS"' EXIT
+"$VPY" -c 'from importlib.metadata import version; print("torch==" + version("torch")); print("transformers==" + version("transformers"))' > "$PINS"
+if ! have fsdptk; then
+    echo "[vllm] installing fsdptk (editable, without dependencies) into $VENV"
+    "$VPY" -m pip install -q --no-deps -e .
+fi
+MISSING=()  # fsdptk's pure dependencies and the test extras vLLM does not bring (peft: the adapter tests)
+for DIST in safetensors numpy tqdm hypothesis pytest pytest-timeout cloudpickle psutil accelerate peft; do
+    have "$DIST" || MISSING+=("$DIST")
+done
+if [ "${#MISSING[@]}" -gt 0 ]; then
+    echo "[vllm] installing ${MISSING[*]} into $VENV"
+    "$VPY" -m pip install -q -c "$PINS" "${MISSING[@]}"
+fi
+if ! have torchao; then  # fsdptk declares torchao; vLLM does not bring it (no deps: it would not add any)
+    echo "[vllm] installing torchao (without dependencies) into $VENV"
+    "$VPY" -m pip install -q --no-deps "torchao>=0.16"
+fi
+"$VPY" -c 'from vllm.distributed.weight_transfer.base import WeightSource, ParamMeta, ModuleSource; import fsdptk' \
+    || { echo "[vllm] vLLM's weight_transfer module or fsdptk failed to import in $VENV" >&2; exit 1; }
+"$VPY" -c 'import sys, torch, transformers, vllm; print(f"[vllm] Python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, vLLM {vllm.__version__}")'
+exec "$VPY" -m pytest -q tests/test_vllm_source.py tests/test_weight_source.py "$@"
