@@ -1,0 +1,365 @@
+"""Weights out to an inference engine: :func:`weight_source`, vLLM 0.33's ``WeightSource`` over a
+(sharded) model, in the Hub checkpoint's names and shapes.
+
+The names, shapes and tensors are exactly what :func:`fsdptk.save_safetensors` writes (the same
+items, the same conversion to the Hub layout, the same engine ``collect``): a save whose consumer
+hands each bucket to an engine instead of a file. Every full tensor travels point to point to its
+one owner (rank 0, or the ranks ``owners`` names, assigned as the writers of
+``save_safetensors(writers=W)`` are); the per-bucket status agreement of the engine keeps the ranks
+in step however slowly an owner consumes. Hub tensors that the ranks already hold as a plain
+``torch.chunk`` split of a DTensor (FSDP's ``Shard(0)``, TP's shards, whole experts under EP) are
+declared with those owners, mesh shape and placements, and :meth:`HubWeightSource.iter_local`
+yields them without any communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator
+from functools import cached_property
+from typing import Any, Literal, cast
+
+import torch
+from torch import nn
+
+from fsdptk import _engine
+from fsdptk._core.compat import local_tensor
+from fsdptk._core.dist import all_gather_object, error_payload, host_key, raise_lowest
+from fsdptk._core.dist import world as _world
+from fsdptk._engine.agree import fingerprint
+from fsdptk._engine.layouts import Box
+from fsdptk._engine.sources.convert import Unconverter
+from fsdptk.hf._weight_layout import (
+    Arguments,
+    Layout,
+    SourceView,
+    assign,
+    check_arguments,
+    held,
+    raise_disagreement,
+)
+from fsdptk.hf._weight_meta import ParamMeta, box_pieces, vllm_classes
+from fsdptk.hf._weight_plan import Items, Plan, plan_items
+
+__all__ = ["weight_source", "HubWeightSource", "ParamMeta"]
+
+Owners = int | Literal["host"]
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+class HubWeightSource:
+    """A model's weights as vLLM's ``WeightSource``: made by :func:`weight_source` (see there).
+
+    ``metadata`` and :meth:`owned_names` need no communication; the iterators are collective
+    (every rank iterates each pass to its end) and each pass reads the model's current weights.
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan, layout: Layout, bucket_bytes: int,
+                 meta_cls: type | None) -> None:
+        self._model, self._plan, self._layout = model, plan, layout
+        self._bucket_bytes = bucket_bytes
+        self._meta_cls = meta_cls
+
+    # -- metadata -------------------------------------------------------------------------------
+    @cached_property
+    def metadata(self) -> list[Any]:
+        """Every Hub tensor, in iteration order: ``ParamMeta(name, dtype, shape, *, owners,
+        mesh_shape, placements)`` (vLLM's class when vLLM is importable), the same on every rank."""
+        cls = self._meta_cls or ParamMeta
+        out = []
+        for name, dtype, shape in self._plan.hub:
+            owners, mesh_shape, placements = self._layout.split.get(
+                name, ((self._layout.owner[name],), (1,), (_replicate(),)))
+            out.append(cls(name, dtype, shape, owners=owners, mesh_shape=mesh_shape, placements=placements))
+        return out
+
+    def owned_names(self, rank: int) -> list[str]:
+        """The Hub names :meth:`iter_full` yields on ``rank``, in metadata order.
+
+        Raises:
+            ValueError: ``rank`` is not a rank of the world (names it).
+        """
+        world = _world()[0]
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+            raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
+        return [name for name, _, _ in self._plan.hub if self._layout.owner[name] == rank]
+
+    # -- iteration --------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """:meth:`iter_full` (what an older vLLM ``WeightSource`` iterates)."""
+        return self.iter_full()
+
+    def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each Hub tensor this rank owns, whole, in metadata order (nothing on the others).
+
+        Collective: every rank drives it to the end. ``.throw(exc)`` into it on one rank raises
+        ``exc`` on every rank at the next bucket boundary.
+        """
+        gen = cast(Generator[Bucket, None, None], self.iter_buckets())
+        for bucket in gen:
+            for pair in bucket:
+                try:
+                    yield pair
+                except Exception as e:  # noqa: BLE001 - agreed by the engine
+                    gen.throw(e)
+
+    def iter_buckets(self) -> Iterator[Bucket]:
+        """Lists of ``(name, tensor)`` of at most ``bucket_bytes`` (a larger tensor alone) on the
+        owners, ``[]`` elsewhere; every rank iterates to the end (collective)."""
+        return self._stream(list(range(len(self._plan.keys))), names=None)
+
+    def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each Hub tensor as this rank's piece, as its metadata's placements say: first the pieces
+        this rank already holds (views of its shards, or cast copies; no communication), then the
+        tensors declared with one owner, gathered to it. Collective: every rank iterates to the end.
+        """
+        plan, layout = self._plan, self._layout
+        rank = _world()[1]
+        failed: BaseException | None = None
+        try:
+            yield from self._local_pieces(rank)
+        except Exception as e:  # noqa: BLE001 - the caller's .throw(e): raised on every rank below
+            failed = e
+        gathered = {n for n, _, _ in plan.hub if n not in layout.split}
+        keep = [i for i, k in enumerate(plan.keys) if gathered & set(plan.item_hub[k])]
+        yield from _flatten(self._stream(keep, names=gathered, failed=failed))
+
+    def _local_pieces(self, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+        plan, layout = self._plan, self._layout
+        mine = {n for n, (owners, _, _) in layout.split.items() if rank in owners}
+        items = self._items()
+        out: list[tuple[int, str, torch.Tensor]] = []
+        order = plan.order
+        for i, (key, t) in enumerate(items):
+            box = layout.boxes[i]
+            if box is None or not mine & set(plan.item_hub[key]):
+                continue
+            local = local_tensor(t).detach()
+            node = plan.nodes.get(plan.conv_key[key]) if plan.nodes is not None else None
+            pieces = (box_pieces(node, box, local) if node is not None
+                      else [(plan.conv_key[key], box, local)])
+            for name, _, piece in pieces:
+                if name in mine:
+                    out.append((order[name], name, piece.to(plan.dtypes[key])))
+        for _, name, piece in sorted(out, key=lambda x: x[0]):
+            yield name, piece
+
+    def _items(self) -> Items:
+        """The model's current tensors of the planned keys (a fresh pass reads the current weights)."""
+        sd = self._model.state_dict(keep_vars=True)
+        out = []
+        for key, shape in zip(self._plan.keys, self._plan.shapes):
+            t = sd.get(key)
+            if t is None or tuple(t.shape) != shape:
+                raise ValueError(f"weight_source: the model's {key!r} changed since the source was made "
+                                 f"(shape {shape} then, {None if t is None else tuple(t.shape)} now); "
+                                 "make a new source")
+            out.append((key, t))
+        return out
+
+    def _stream(self, keep: list[int], names: set[str] | None, failed: BaseException | None = None
+                ) -> Iterator[Bucket]:
+        """Gather items ``keep`` to their owners, bucket by bucket, and turn each into its Hub
+        tensors (``names``: only those; ``None``: all)."""
+        plan = self._plan
+        items: Items = []
+        try:
+            if failed is None:
+                every = self._items()
+                items = [every[i] for i in keep]
+        except Exception as e:  # noqa: BLE001 - agreed by collect's exchange
+            failed = e
+        dests = [self._layout.dests[i] for i in keep] if failed is None else []
+        buckets = cast(Generator[Bucket, None, None],
+                       _engine.collect(items, bucket_bytes=self._bucket_bytes, dest=dests, failed=failed))
+        hub = _ToHub(plan)
+        for bucket in buckets:
+            out: Bucket = []
+            try:
+                out = [(n, t) for n, t in hub.feed(bucket) if names is None or n in names]
+            except Exception as e:  # noqa: BLE001 - agreed by the engine
+                buckets.throw(e)
+            for part in _regroup(out, self._bucket_bytes) if out else [[]]:
+                try:
+                    yield part
+                except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the engine
+                    buckets.throw(e)
+
+
+class _ToHub:
+    """A gathered bucket of model tensors -> its Hub tensors, cast, in metadata order (LoRA factors
+    held until their base weight arrives, then merged into it)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.split = Unconverter(plan.nodes) if plan.nodes is not None else None
+        self.factors: dict[str, torch.Tensor] = {}
+
+    def feed(self, bucket: Bucket) -> Bucket:
+        plan = self.plan
+        out: list[tuple[int, str, torch.Tensor]] = []
+        for key, full in bucket:
+            if key in plan.lora:
+                self.factors[key] = full
+                continue
+            if key in plan.merges:
+                a, b, scaling = plan.merges[key]
+                full = full + _delta(self.factors.pop(a), self.factors.pop(b), scaling, full.dtype)
+            ck = plan.conv_key[key]
+            pieces = self.split.feed(ck, full) if self.split is not None else [(ck, full)]
+            for name, piece in pieces:
+                out.append((plan.order[name], name, piece.to(plan.dtypes[key]).contiguous()))
+            del full
+        return [(n, t) for _, n, t in sorted(out, key=lambda x: x[0])]
+
+
+def _delta(a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
+    """PEFT's ``LoraLayer.get_delta_weight`` for a plain linear layer: ``(B @ A) * scaling``, in
+    float32 for half-precision factors on CPU, as PEFT computes it."""
+    upcast = b.dtype in (torch.float16, torch.bfloat16)
+    if upcast:
+        a, b = a.float(), b.float()
+    out = (b @ a) * scaling
+    return out.to(dtype) if upcast else out
+
+
+def _regroup(out: Bucket, limit: int) -> list[Bucket]:
+    """``out`` in consecutive lists of at most ``limit`` bytes (a larger tensor alone)."""
+    parts: list[Bucket] = [[]]
+    size = 0
+    for name, t in out:
+        n = t.numel() * t.element_size()
+        if parts[-1] and size + n > limit:
+            parts.append([])
+            size = 0
+        parts[-1].append((name, t))
+        size += n
+    return parts
+
+
+def _flatten(buckets: Iterator[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
+    gen = cast(Generator[Bucket, None, None], buckets)
+    for bucket in gen:
+        for pair in bucket:
+            try:
+                yield pair
+            except Exception as e:  # noqa: BLE001 - agreed by the engine
+                gen.throw(e)
+
+
+def _replicate() -> Any:
+    from torch.distributed.tensor import Replicate
+
+    return Replicate()
+
+
+# ----------------------------------------------------------------------------------------------
+# the public call
+def weight_source(
+    model: nn.Module,
+    *,
+    conversion: Literal["auto"] | None = "auto",
+    dtype: torch.dtype | None = None,
+    owners: Owners = 1,
+    bucket_bytes: int | None = None,
+    adapters: Literal["merged", "only"] | None = None,
+    quantize: None = None,
+) -> HubWeightSource:
+    """The model's weights as vLLM 0.33's ``WeightSource``, in the Hub checkpoint's names and shapes.
+
+    Call on every rank (collective: one object exchange agrees the arguments and who holds what,
+    before any tensor moves). The names, shapes and values are what
+    ``save_safetensors(model, path, conversion=conversion, dtype=dtype)`` writes: per-expert tensors
+    for transformers' fused experts, a tied tensor once, NF4 weights dequantized. The source has:
+
+    - ``metadata`` (a cached property): one ``ParamMeta(name, dtype, shape, *, owners, mesh_shape,
+      placements)`` per Hub tensor, the same on every rank. A Hub tensor the ranks already hold as
+      a ``torch.chunk`` split of a DTensor is declared with the ranks holding its pieces (one per
+      piece, row-major over ``mesh_shape``) and ``Shard(d)`` / ``Replicate()`` placements; every
+      other one with a single owner, the rank it is gathered to.
+    - ``owned_names(rank)``: the names ``iter_full`` yields on ``rank``; their union is every name.
+    - ``iter_full()``: each owned name as a full CPU tensor in metadata order; nothing on the other
+      ranks. Each tensor is gathered point to point to its owner only (never an all-gather), so a
+      rank holds at most its shards plus about two buckets.
+    - ``iter_local()``: each name as this rank's piece as the metadata says (see
+      :meth:`HubWeightSource.iter_local`).
+    - ``iter_buckets()``: lists of ``(name, tensor)`` up to ``bucket_bytes`` on the owners, ``[]``
+      elsewhere (for engines that take flattened buckets).
+
+    Every iterator is collective: every rank drives it to its end, each pass reads the current
+    weights, and an owner may consume lazily (send on another process group, sleep) while the
+    others wait at the next bucket's status agreement. A failure on any rank, or ``exc`` thrown in
+    with ``iterator.throw(exc)`` on one rank, is raised on every rank. When vLLM is importable the
+    source is an instance of vLLM's ``WeightSource`` and the records are vLLM's ``ParamMeta``;
+    otherwise fsdptk never imports vLLM.
+
+    Args:
+        model: the model (FSDP2-sharded, tensor- or expert-parallel, or plain), the same structure
+            on every rank.
+        conversion: ``"auto"``: the Hub layout of a transformers model (transformers' own rules,
+            run backwards as the save does); ``None``: the model's own keys.
+        dtype: cast floating tensors to this dtype (``torch.bfloat16`` rollouts from an fp32
+            master); integer tensors are kept. ``None``: the model's dtypes.
+        owners: ``1``: rank 0 owns every name (vLLM's broadcast engines); ``W``: names spread over
+            ``W`` ranks (``[w * N // W]``) by bytes, whole Hub tensors (all of one fused tensor's
+            together), as ``save_safetensors(writers=W)`` assigns files; ``"host"``: the lowest rank
+            of every host.
+        bucket_bytes: full-tensor bytes per bucket and owner (default: the engine's, 16 MiB).
+        adapters: for a PEFT model: ``"merged"``: the base weights with each plain LoRA adapter
+            merged in (``W + scaling * B @ A``, as ``merge_and_unload``) under the base names;
+            ``"only"``: the active adapter's tensors under PEFT's names
+            (``get_peft_model_state_dict``), the base weights never moved. ``None``: the model's
+            tensors as they are.
+        quantize: quantizing on the way out belongs to another issue: only ``None`` is accepted.
+
+    Returns:
+        HubWeightSource: the source (a subclass of vLLM's ``WeightSource`` when vLLM is importable).
+
+    Raises:
+        TypeError: ``model`` is not a module, ``dtype`` is not a floating dtype, ``owners`` is not an
+            int or ``"host"``, ``conversion`` is not ``"auto"`` or ``None``; on every rank.
+        ValueError: ``owners`` out of ``[1, world size]``, ``bucket_bytes`` not a positive int,
+            ``adapters`` or ``quantize`` not accepted, a tensor still on ``meta``, ranks that passed
+            different arguments (each differing argument named with every rank's value); on every
+            rank, before any tensor moves.
+        NotImplementedError: ``adapters="merged"`` on a tuner other than plain LoRA on linear
+            layers (DoRA, ``fan_in_fan_out``, LoRA biases, several active adapters), naming it.
+
+    Examples:
+        >>> import torch
+        >>> from fsdptk.hf import weight_source
+        >>> source = weight_source(torch.nn.Linear(2, 3), dtype=torch.bfloat16)
+        >>> [(m.name, m.dtype, m.shape, m.owners) for m in source.metadata]
+        [('weight', torch.bfloat16, (3, 2), (0,)), ('bias', torch.bfloat16, (3,), (0,))]
+        >>> [(name, tuple(t.shape)) for name, t in source.iter_full()], source.owned_names(0)
+        ([('weight', (3, 2)), ('bias', (3,))], ['weight', 'bias'])
+        >>> weight_source(torch.nn.Linear(2, 3), quantize="fp8")
+        Traceback (most recent call last):
+        ValueError: quantize must be None (quantizing on the way out is not supported yet), got 'fp8'
+    """
+    world, rank = _world()
+    arguments = Arguments(*(repr(v) for v in (conversion, dtype, owners, bucket_bytes, adapters, quantize)))
+    error: BaseException | None = None
+    plan: Plan | None = None
+    boxes: list[Box | None] = []
+    plain: list[bool] = []
+    nbytes = 0
+    try:
+        nbytes = check_arguments(model, conversion, dtype, owners, bucket_bytes, adapters, quantize, world)
+        plan, items = plan_items(model, conversion=conversion, dtype=dtype, adapters=adapters)
+        boxes, plain = held(items)
+    except Exception as e:  # noqa: BLE001 - raised on every rank after the exchange
+        error = e
+    fp = fingerprint([*((k, s) for k, s in zip(plan.keys, plan.shapes)), *plan.hub]) if plan is not None else None
+    views = all_gather_object(SourceView(arguments=arguments, error=error_payload(error), fingerprint=fp,
+                                          boxes=boxes, plain=plain, host=host_key()))
+    raise_lowest([v.error for v in views], error)
+    raise_disagreement(views)
+    assert plan is not None, "planned on every rank (agreed just above)"
+    layout = assign(plan, views, owners, rank)
+    found = vllm_classes()
+    if found is None:
+        return HubWeightSource(model, plan, layout, nbytes, None)
+    base, meta_cls = found
+    cls = type("HubWeightSource", (HubWeightSource, base), {"__module__": __name__})
+    return cast(HubWeightSource, cls(model, plan, layout, nbytes, meta_cls))
+

@@ -1,0 +1,478 @@
+"""``fsdptk.hf.weight_source`` (issue 41): the model's weights as vLLM's ``WeightSource`` in the Hub
+layout, each full tensor gathered to its owner only.
+
+On real gloo ranks, for a tiny Llama and a tiny Qwen3-MoE loaded with ``fsdptk.hf.from_pretrained``
+under FSDP (2 and 4 ranks), FSDP x TP, HSDP and EP: the union of every owner's ``iter_full`` is
+``save_pretrained``'s tensors, name for name, bit for bit (per-expert tensors for the fused
+experts); each rank's ``iter_full`` is exactly its ``owned_names``; the metadata is the same on
+every rank; the ``iter_local`` pieces put together by their placements are the full tensors;
+``iter_buckets`` is ``iter_full`` regrouped within ``bucket_bytes``. A consumer on the owners that
+sleeps and sends each tensor on a second process group between buckets hangs nothing; a
+``.throw`` on one owner raises on every rank; ranks that disagree on an argument are named; a second
+pass reads the current weights; PEFT adapters alone and merged equal PEFT's own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+transformers = pytest.importorskip("transformers")
+
+MESHES = {"fsdp2": (2, {"dp_shard": 2}), "fsdp4": (4, {"dp_shard": 4}), "tp": (4, {"dp_shard": 2, "tp": 2}),
+          "hsdp": (4, {"dp_replicate": 2, "dp_shard": 2}), "ep": (4, {"dp_shard": 4, "ep": 2}),
+          "tp_ep": (4, {"dp_shard": 2, "tp": 2, "ep": 4})}
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers (module level: the workers import them)
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+# family -> (transformers config class, its sizes): tiny models with 8 experts for the MoE families
+FAMILIES = {
+    "llama": ("LlamaConfig", {"hidden_size": 64, "intermediate_size": 96, "vocab_size": 130,
+                              "tie_word_embeddings": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"hidden_size": 32, "vocab_size": 96, "num_experts_per_tok": 2, "num_experts": 8,
+                                     "moe_intermediate_size": 16, "intermediate_size": 32, "head_dim": 8}),
+    "mixtral": ("MixtralConfig", {"hidden_size": 32, "vocab_size": 96, "num_local_experts": 8,
+                                  "num_experts_per_tok": 2, "intermediate_size": 16}),
+    "deepseek_v3": ("DeepseekV3Config", {"hidden_size": 32, "vocab_size": 96, "n_routed_experts": 8,
+                                         "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                         "intermediate_size": 48, "n_shared_experts": 1,
+                                         "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
+                                         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+                                         "n_group": 2, "topk_group": 1, "num_key_value_heads": 4}),
+    "gpt_oss": ("GptOssConfig", {"hidden_size": 32, "vocab_size": 96, "num_local_experts": 8,
+                                 "num_experts_per_tok": 2, "intermediate_size": 16, "head_dim": 8}),
+}
+
+
+def _hub_dir(root: Path, family: str) -> Path:
+    """``save_pretrained`` of a tiny ``family`` model built with ``from_config`` (the Hub layout)."""
+    cls, extra = FAMILIES[family]
+    kw = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0,
+          "bos_token_id": 1, "eos_token_id": 2, **extra}
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kw)).save_pretrained(root)
+    return root
+
+
+def _meta_rows(source) -> list[tuple]:
+    return [(m.name, str(m.dtype), tuple(m.shape), tuple(m.owners), tuple(m.mesh_shape),
+             tuple(repr(p) for p in m.placements)) for m in source.metadata]
+
+
+def _stream(src: str, dims_kw: dict, owners, dtype: str | None, bucket_bytes: int) -> dict:
+    """Every view of one source on this rank: metadata, owned names, iter_full, iter_local,
+    iter_buckets."""
+    from fsdptk import ParallelDims
+    from fsdptk._engine.layouts import layout_of
+    from fsdptk.hf import from_pretrained, weight_source
+
+    model = from_pretrained(src, dims=ParallelDims(**dims_kw))
+    source = weight_source(model, owners=owners, dtype=getattr(torch, dtype) if dtype else None,
+                           bucket_bytes=bucket_bytes)
+    world = dist.get_world_size()
+    full = list(source.iter_full())
+    local = list(source.iter_local())
+    buckets = [[(n, t.clone()) for n, t in b] for b in source.iter_buckets()]
+    held = {}  # fused experts tensor -> the experts (dim-0 rows) this rank holds
+    for key, t in model.state_dict(keep_vars=True).items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            box = layout_of(t).held_box()
+            held[key] = range(box[0].start, box[0].stop) if box is not None else range(0)
+    return {"meta": _meta_rows(source), "owned": [source.owned_names(r) for r in range(world)],
+            "full": full, "local": [(n, t.clone()) for n, t in local], "buckets": buckets, "held": held}
+
+
+def _expected_piece(full: torch.Tensor, meta: tuple, cell: int) -> torch.Tensor:
+    """The piece of ``full`` at row-major ``cell`` of the metadata's mesh, as its placements say
+    (``Shard(d)`` splitting like ``torch.chunk``)."""
+    _, _, _, _, mesh_shape, placements = meta
+    coords = []
+    for n in reversed(mesh_shape):
+        coords.append(cell % n)
+        cell //= n
+    coords.reverse()
+    piece = full
+    for size, at, p in zip(mesh_shape, coords, placements):
+        if p.startswith("Shard"):
+            d = int(p.split("=")[1].rstrip(")"))
+            chunks = torch.chunk(piece, size, dim=d)
+            piece = chunks[at] if at < len(chunks) else piece.narrow(d, 0, 0)
+    return piece
+
+
+def _check_source(results: list[dict], ref: dict[str, torch.Tensor], bucket_bytes: int) -> dict[str, int]:
+    """Everything the source promises, against the reference tensors; per placement kind, how many
+    Hub tensors had it (so a test can tell the local split was exercised)."""
+    world = len(results)
+    meta = results[0]["meta"]
+    assert all(r["meta"] == meta for r in results), "the metadata differs between ranks"
+    owned = results[0]["owned"]
+    assert all(r["owned"] == owned for r in results)
+    names = [m[0] for m in meta]
+    assert sorted(names) == sorted(ref), (sorted(set(names) ^ set(ref)))
+    assert sorted(n for o in owned for n in o) == sorted(names), "owned_names overlap or miss a name"
+    union: dict[str, torch.Tensor] = {}
+    for rank, r in enumerate(results):
+        got = [n for n, _ in r["full"]]
+        assert got == owned[rank], f"rank {rank} iter_full yields {got[:4]}..., owns {owned[rank][:4]}..."
+        assert got == [n for n in names if n in set(got)], "iter_full is not in metadata order"
+        union.update(r["full"])
+        flat = [(n, t) for b in r["buckets"] for n, t in b]
+        assert [n for n, _ in flat] == got
+        assert all(torch.equal(t, dict(r["full"])[n]) for n, t in flat)
+        for b in r["buckets"]:
+            assert len(b) <= 1 or sum(t.numel() * t.element_size() for _, t in b) <= bucket_bytes
+    for name, t in ref.items():
+        assert union[name].dtype == t.dtype and union[name].shape == t.shape, name
+        assert torch.equal(union[name], t), name
+    kinds: dict[str, int] = {}
+    by_meta = {m[0]: m for m in meta}
+    for name, m in by_meta.items():
+        owners = m[3]
+        for rank in range(world):
+            pieces = [t for n, t in results[rank]["local"] if n == name]
+            assert len(pieces) == (1 if rank in owners else 0), (name, rank, owners)
+        for cell, rank in enumerate(owners):
+            piece = dict(results[rank]["local"])[name]
+            assert torch.equal(piece, _expected_piece(ref[name], m, cell)), (name, cell, rank, m)
+        kind = "gathered" if len(owners) == 1 and m[4] == (1,) else "+".join(m[5])
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return kinds
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """family -> its save_pretrained directory (written once per module)."""
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = _hub_dir(tmp_path_factory.mktemp(family), family)
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def llama(hub) -> Path:
+    return hub("llama")
+
+
+# ----------------------------------------------------------------------------------------------
+# the Hub layout, bit for bit, on every mesh
+CASES = [("llama", "fsdp2", 1, None), ("llama", "fsdp4", 4, None), ("llama", "tp", 1, "bfloat16"),
+         ("llama", "hsdp", 2, None), ("qwen3_moe", "fsdp4", 1, None), ("qwen3_moe", "tp", 4, None),
+         ("qwen3_moe", "hsdp", "host", None), ("qwen3_moe", "ep", 4, None), ("qwen3_moe", "ep", 1, "bfloat16"),
+         ("mixtral", "ep", 4, None), ("mixtral", "tp", 1, None), ("deepseek_v3", "fsdp4", 2, None),
+         ("deepseek_v3", "ep", 1, None), ("gpt_oss", "fsdp2", 2, None), ("gpt_oss", "tp", 4, "bfloat16")]
+
+
+@pytest.mark.parametrize(("family", "mesh", "owners", "dtype"), CASES,
+                         ids=[f"{f}-{m}-owners{o}-{d or 'model'}" for f, m, o, d in CASES])
+def test_union_of_owners_is_the_hub_checkpoint(world, hub, family, mesh, owners, dtype) -> None:
+    src = hub(family)
+    n, dims_kw = MESHES[mesh]
+    bucket_bytes = 20_000
+    results = world(n).run(_stream, str(src), dims_kw, owners, dtype, bucket_bytes, timeout=240)
+    ref = {k: t.to(getattr(torch, dtype)) if dtype else t for k, t in _tensors(src).items()}
+    kinds = _check_source(results, ref, bucket_bytes)
+    owned = results[0]["owned"]
+    expected_owners = [0] if owners == "host" else [w * n // owners for w in range(owners)]  # one host here
+    assert [r for r in range(n) if owned[r]] == expected_owners
+    if mesh.startswith("fsdp") and family == "llama":  # FSDP's Shard(0): a chunk split of most tensors
+        assert kinds.get("Shard(dim=0)", 0) >= len(ref) // 2, kinds
+    if family == "qwen3_moe" and mesh in ("fsdp4", "ep"):  # each expert is held whole by one rank
+        # (experts Shard(0), one FSDP or EP rank each): declared there, and served without a gather
+        metas = {m[0]: m for m in results[0]["meta"]}
+        for layer in range(2):
+            for e in range(8):
+                for proj, fused in (("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj"),
+                                    ("down_proj", "down_proj")):
+                    m = metas[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"]
+                    holders = [r for r, res in enumerate(results)
+                               if e in res["held"][f"model.layers.{layer}.mlp.experts.{fused}"]]
+                    assert m[4] == (1,) and len(m[3]) == 1 and m[3][0] in holders, (m, holders)
+    if mesh in ("tp", "hsdp") and family == "llama":  # 2-D meshes: pieces declared where they are
+        assert kinds.get("gathered", 0) < len(ref), kinds
+
+
+# ----------------------------------------------------------------------------------------------
+# lazy consumers: an owner that sleeps and sends on another group while the others run ahead
+def _lazy(src: str, owners) -> dict[str, torch.Tensor]:
+    from fsdptk import ParallelDims
+    from fsdptk.hf import from_pretrained, weight_source
+
+    model = from_pretrained(src, dims=ParallelDims(dp_shard=4))
+    source = weight_source(model, owners=owners, bucket_bytes=8_000)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    side = dist.new_group(backend="gloo")  # the "inference engine's" group
+    meta = {m.name: m for m in source.metadata}
+    prev, nxt = (rank - 1) % world, (rank + 1) % world
+    received: dict[str, torch.Tensor] = {}
+
+    def receive() -> None:  # the engine's side of rank prev's stream
+        for name in source.owned_names(prev):
+            t = torch.empty(meta[name].shape, dtype=meta[name].dtype)
+            dist.recv(t, src=prev, group=side)
+            received[name] = t
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    buckets = 0
+    for bucket in source.iter_buckets():
+        if bucket:
+            buckets += 1
+            time.sleep(0.02)
+            for _, t in bucket:
+                dist.send(t, dst=nxt, group=side)
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert not source.owned_names(rank) or buckets > 3  # several buckets: the others ran ahead
+    dist.barrier(group=side)
+    dist.destroy_process_group(side)
+    return received
+
+
+@pytest.mark.parametrize("owners", [1, 4])
+def test_lazy_owner_sending_on_another_group_never_hangs(world, llama, owners) -> None:
+    results = world(4).run(_lazy, str(llama), owners, timeout=120)
+    got: dict[str, torch.Tensor] = {}
+    for r in results:
+        got.update(r)
+    ref = _tensors(llama)
+    assert sorted(got) == sorted(ref)
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
+# ----------------------------------------------------------------------------------------------
+# failures: a consumer's error on one owner, bad and disagreeing arguments; a fresh second pass
+def _throw_then_again(src: str, owners) -> dict:
+    from fsdptk import ParallelDims
+    from fsdptk.hf import from_pretrained, weight_source
+
+    model = from_pretrained(src, dims=ParallelDims(dp_shard=4))
+    source = weight_source(model, owners=owners, bucket_bytes=8_000)
+    rank = dist.get_rank()
+    thrower = 0 if owners == 1 else 3
+    outcome = None
+    it = source.iter_full()
+    try:
+        for i, _ in enumerate(it):
+            if rank == thrower and i == 2:
+                it.throw(ConnectionError("the engine's send failed"))
+    except Exception as e:  # noqa: BLE001 - what every rank raised
+        outcome = (type(e).__name__, str(e))
+    with torch.no_grad():  # the next pass reads the current weights
+        for p in model.parameters():
+            p.mul_(2)
+    second = dict(source.iter_full())
+    return {"outcome": outcome, "second": second}
+
+
+@pytest.mark.parametrize("owners", [1, 4])
+def test_throw_on_one_owner_raises_on_every_rank_and_a_new_pass_reads_current_weights(world, llama, owners):
+    results = world(4).run(_throw_then_again, str(llama), owners, timeout=120)
+    for r in results:
+        assert r["outcome"] is not None and r["outcome"][0] == "ConnectionError", r["outcome"]
+        assert "the engine's send failed" in r["outcome"][1]
+    second: dict[str, torch.Tensor] = {}
+    for r in results:
+        second.update(r["second"])
+    ref = _tensors(llama)
+    assert sorted(second) == sorted(ref)
+    assert all(torch.equal(second[k], ref[k] * 2) for k in ref)
+
+
+def _bad(src: str, case: str) -> tuple[str, str]:
+    from fsdptk import ParallelDims
+    from fsdptk.hf import from_pretrained, weight_source
+
+    model = from_pretrained(src, dims=ParallelDims(dp_shard=4))
+    rank = dist.get_rank()
+    kw: dict = {}
+    if case == "dtype":
+        kw = {"dtype": torch.bfloat16} if rank == 1 else {}
+    elif case == "owners_and_bucket":
+        kw = {"owners": 2 if rank == 3 else 1, "bucket_bytes": 1024 if rank == 2 else None}
+    elif case == "owners_range":
+        kw = {"owners": 7} if rank == 2 else {}
+    elif case == "adapters":
+        kw = {"adapters": "merged"}  # no PEFT adapter
+    elif case == "quantize":
+        kw = {"quantize": "fp8"} if rank == 0 else {}
+    try:
+        weight_source(model, **kw)
+    except Exception as e:  # noqa: BLE001 - what every rank raised
+        return type(e).__name__, str(e)
+    return "none", ""
+
+
+@pytest.mark.parametrize(("case", "kind", "needles"), [
+    ("dtype", "ValueError", ["dtype = ['None', 'torch.bfloat16', 'None', 'None']"]),
+    ("owners_and_bucket", "ValueError", ["owners = ['1', '1', '1', '2']", "bucket_bytes = ['None', 'None', '1024',"]),
+    ("owners_range", "ValueError", ["owners must be between 1 and the world size (4)", "got 7"]),
+    ("adapters", "TypeError", ["has no PEFT adapter"]),
+    ("quantize", "ValueError", ["quantize must be None", "'fp8'"]),
+])
+def test_bad_or_disagreeing_arguments_are_named_on_every_rank(world, llama, case, kind, needles) -> None:
+    results = world(4).run(_bad, str(llama), case, timeout=120)
+    for got_kind, message in results:
+        assert got_kind == kind, (case, results)
+        for needle in needles:
+            assert needle in message, (needle, message)
+
+
+# ----------------------------------------------------------------------------------------------
+# PEFT: the adapter alone (PEFT's names) and merged into the base (merge_and_unload's names)
+def _peft_stream(src: str, adapters: str) -> dict:
+    import copy
+
+    import peft
+
+    from fsdptk import shard_model
+    from fsdptk.hf import no_split_modules, weight_source
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(src)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                       init_lora_weights=False))
+    if adapters == "only":
+        want = {k: t.detach().clone() for k, t in peft.utils.get_peft_model_state_dict(model).items()}
+    else:
+        want = {k: t.detach().clone() for k, t in copy.deepcopy(model).merge_and_unload().state_dict().items()}
+    shard_model(model, no_split_modules(model), cpu_offload=False)
+    source = weight_source(model, adapters=adapters, owners=dist.get_world_size())
+    return {"want": want, "full": dict(source.iter_full()), "meta": _meta_rows(source),
+            "local": [(n, t.clone()) for n, t in source.iter_local()]}
+
+
+@pytest.mark.parametrize("adapters", ["only", "merged"])
+def test_peft_adapters_only_and_merged_equal_peft_own(world, llama, adapters) -> None:
+    results = world(2).run(_peft_stream, str(llama), adapters, timeout=180)
+    want = results[0]["want"]
+    if adapters == "merged":  # the tied / non-persistent entries save_pretrained leaves out
+        want = {k: t for k, t in want.items() if k in _tensors(llama)}
+        assert sorted(want) == sorted(_tensors(llama))
+    got: dict[str, torch.Tensor] = {}
+    for r in results:
+        got.update(r["full"])
+    assert sorted(got) == sorted(want)
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    if adapters == "only":
+        assert all("lora_" in k for k in got)
+    else:
+        ref = _tensors(llama)
+        changed = [k for k in ref if not torch.equal(ref[k], got[k])]
+        assert changed and all("q_proj" in k or "v_proj" in k for k in changed)
+    meta = {m[0]: m for m in results[0]["meta"]}
+    for name, m in meta.items():
+        for cell, rank in enumerate(m[3]):
+            piece = dict(results[rank]["local"])[name]
+            assert torch.equal(piece, _expected_piece(want[name], m, cell)), name
+
+
+def test_metadata_records_validate_like_vllm() -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from fsdptk.hf.weight_source import ParamMeta
+
+    ok = ParamMeta("w", torch.float32, (4, 2), owners=(2, 0), mesh_shape=(2,), placements=(Shard(1),))
+    assert ok.owners == (2, 0)
+    for kw, needle in [({"owners": ()}, "owners"), ({"mesh_shape": (3,)}, "do not fill"),
+                       ({"placements": (Shard(2),)}, "not a dim"), ({"placements": (Replicate(), Shard(0))}, "one placement")]:
+        args = {"owners": (0, 1), "mesh_shape": (2,), "placements": (Shard(0),), **kw}
+        with pytest.raises(ValueError, match=needle) as info:
+            ParamMeta("layers.0.w", torch.float32, (4, 2), **args)
+        assert "'layers.0.w'" in str(info.value)
+
+
+_FAKE_VLLM_BASE = """
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple
+    owners: tuple = field(kw_only=True)
+    mesh_shape: tuple = field(kw_only=True)
+    placements: tuple = field(kw_only=True)
+
+
+class WeightSource(ABC):
+    @abstractmethod
+    def owned_names(self, rank): ...
+
+    @abstractmethod
+    def iter_full(self): ...
+
+    @abstractmethod
+    def iter_local(self): ...
+"""
+
+_PROBE = """
+import sys, torch
+import fsdptk.hf
+assert "vllm" not in sys.modules, "imported by fsdptk.hf"
+source = fsdptk.hf.weight_source(torch.nn.Linear(3, 2))
+rows = [(m.name, type(m).__module__) for m in source.metadata]
+full = [n for n, _ in source.iter_full()]
+print(repr((rows, full, "vllm" in sys.modules, [c.__module__ for c in type(source).__mro__])))
+"""
+
+
+def _probe(tmp_path: Path, with_vllm: bool) -> tuple:
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    if with_vllm:  # a stand-in with vLLM 0.33's WeightSource / ParamMeta shapes, on the path
+        base = tmp_path / "vllm" / "distributed" / "weight_transfer"
+        base.mkdir(parents=True)
+        for d in (tmp_path / "vllm", tmp_path / "vllm" / "distributed", base):
+            (d / "__init__.py").write_text("")
+        (base / "base.py").write_text(_FAKE_VLLM_BASE)
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+
+
+def test_without_vllm_nothing_of_vllm_is_imported(tmp_path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed in this environment")
+    rows, full, imported, mro = _probe(tmp_path, with_vllm=False)
+    assert rows == [("weight", "fsdptk.hf._weight_meta"), ("bias", "fsdptk.hf._weight_meta")]
+    assert full == ["weight", "bias"] and not imported
+    assert not any(m.startswith("vllm") for m in mro)
+
+
+def test_with_vllm_the_source_is_vllms_weight_source_of_its_param_meta(tmp_path) -> None:
+    rows, full, imported, mro = _probe(tmp_path, with_vllm=True)
+    assert rows == [("weight", "vllm.distributed.weight_transfer.base"),
+                    ("bias", "vllm.distributed.weight_transfer.base")]
+    assert full == ["weight", "bias"] and imported
+    assert "vllm.distributed.weight_transfer.base" in mro
