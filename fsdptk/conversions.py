@@ -158,7 +158,10 @@ class Conversion:
 
         Raises:
             ConversionError: two checkpoint keys for one model key; a gap in the ``#`` indices (the
-                missing key named); tensors that do not stack or concatenate (both shapes named).
+                missing key named); tensors that do not stack or concatenate (both shapes named);
+                a :class:`Transform` whose forward, run on a ``meta`` tensor, returns another shape
+                or dtype than it declares (the model key and both shapes named; a forward that
+                cannot run on ``meta`` is checked on every read instead).
         """
         try:
             return self._nodes(metas)

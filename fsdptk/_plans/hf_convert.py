@@ -121,7 +121,9 @@ def hub_nodes(model: nn.Module, metas: Mapping[str, TensorMeta], *, legacy: bool
 
     Raises:
         ConversionProblem: two checkpoint keys for one model key; tensors that do not stack (both
-            shapes); a per-expert tensor missing (named).
+            shapes); a per-expert tensor missing (named); an operation fsdptk has no per-shard plan
+            for (named, with the checkpoint keys it would combine); a quantized layout that does
+            not fit (see :func:`quantized_leaves`).
     """
     from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
 
@@ -274,8 +276,11 @@ def quantized_leaves(model: nn.Module, metas: Mapping[str, TensorMeta]) -> dict[
     ``<w>_scales`` as ``<w>``), as the config's ``quantization_config`` says.
 
     Raises:
-        ConversionProblem: an unknown ``quant_method``; a quantized weight without its scales, or
-            scales that do not fit the weight and the block (key, shapes and block named).
+        ConversionProblem: an unknown ``quant_method``; a ``weight_block_size`` that is not two
+            positive ints (the value named); a quantized weight without its scales, a weight
+            under 2-D with block scales, or scales whose rank, grid or dtype do not fit the weight
+            and the block (key, shapes and block named); MXFP4 blocks and scales that are not a
+            uint8 pair of matching shapes.
     """
     quant = quantization(model)
     plain = {k: Leaf(k, tuple(m.shape), m.dtype) for k, m in metas.items()}

@@ -135,10 +135,19 @@ class Transform(Op):
     checkpoint dtype to the model's (default: unchanged). A box reads the whole checkpoint tensor
     unless ``box_wise`` (the hook maps every box's piece to the same box's piece).
 
+    What ``forward`` returns must be what ``shape`` and ``dtype`` declare: it is run on a ``meta``
+    tensor when the rules are built (a forward that needs values is skipped there) and checked on
+    every read, and a mismatch is an error naming the key and both shapes, before any value
+    reaches the model.
+
     Examples:
         >>> neg = Transform(lambda t: -t, lambda t: -t, box_wise=True)
         >>> neg.box_wise
         True
+        >>> half = Transform(lambda t: t[:, :2], lambda t: t, shape=lambda s: (s[0], 2))
+        >>> from fsdptk._engine.sources.convert import Leaf
+        >>> half.apply({"w": [Leaf("w", (3, 4), torch.float32)]}, ["w"], ["v"])["v"][0].shape
+        (3, 2)
     """
 
     forward: Callable[[torch.Tensor], torch.Tensor]
