@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from fsdptk import _engine
+from fsdptk._core.arguments import agree_arguments, arguments_view
 from fsdptk._core.calls import renamed_keywords
 from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.compat import local_tensor
@@ -167,13 +168,16 @@ def iter_full_optimizer_state(
         [('weight', ['exp_avg', 'exp_avg_sq', 'step']), ('bias', ['exp_avg', 'exp_avg_sq', 'step'])]
     """
     entries, _, size, error = _local_layout(model, optimizer, bucket_bytes, "optimizer")
-    yield from _iter_state(entries, size, failed=error)
+    yield from _iter_state(entries, size, failed=error, call="iter_full_optimizer_state", bucket_arg=bucket_bytes)
 
 
 def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int, retained: bool = False,
-                failed: Exception | None = None) -> Iterator[list[tuple[str, dict[str, Any]]]]:
+                failed: Exception | None = None, *, call: str, bucket_arg: int | None,
+                ) -> Iterator[list[tuple[str, dict[str, Any]]]]:
     """:func:`iter_full_optimizer_state`; ``retained``: the caller keeps every bucket; ``failed``:
-    this rank's pre-flight error, raised on every rank by the engine's metadata exchange."""
+    this rank's pre-flight error, raised on every rank by the engine's metadata exchange; ``call``
+    and ``bucket_arg`` (the caller's ``bucket_bytes`` as passed): agreed across ranks first."""
+    agree_arguments(call, bucket_bytes=bucket_arg)
     names = [f"{STATE}.{fqn}.{key}" for fqn, key, _ in entries]
     items = [(n, v) for n, (_, _, v) in zip(names, entries) if isinstance(v, torch.Tensor)]
     last = {fqn: i for i, (fqn, _, _) in enumerate(entries)}  # index of each fqn's last entry
@@ -273,7 +277,8 @@ def get_full_optimizer_state_dict(
     keep = check_rank_zero("get_full_optimizer_state_dict", is_rank_zero)
     entries, groups, size, error = _local_layout(model, opt, bucket_bytes)
     state: dict[str, dict[str, Any]] = {}
-    for bucket in _iter_state(entries, size, retained=True, failed=error):
+    for bucket in _iter_state(entries, size, retained=True, failed=error, call="get_full_optimizer_state_dict",
+                              bucket_arg=bucket_bytes):
         state.update(bucket)
     if not keep:
         return {}
@@ -530,6 +535,9 @@ def load_from_full_optimizer_state_dict(
     # (the same targets on every rank) and carries each reading rank's view of the state, or its
     # argument error, with them
     plan = _engine.agree(list(params.items()), shapes, src_rank0=broadcast_from_rank0, cast=False, extra=mine,
+                         arguments=arguments_view("load_from_full_optimizer_state_dict",
+                                                  broadcast_from_rank0=broadcast_from_rank0, strict=strict,
+                                                  bucket_bytes=bucket_bytes),
                          failed=error)
     view, verdicts = _agree_view(view, plan.extras or [], broadcast_from_rank0)
     if strict:

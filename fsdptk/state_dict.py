@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fsdptk import _engine
+from fsdptk._core.arguments import agree_arguments, arguments_view
 from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.dist import (
     check_comm_device,
@@ -168,6 +169,9 @@ def load_from_full_model_state_dict(
     # ONE object exchange before data moves: this rank's argument error (if any) and the buffers'
     # views travel with the metadata
     plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0, extra=buffers_local[1],
+                         arguments=arguments_view("load_from_full_model_state_dict",
+                                                  broadcast_from_rank0=broadcast_from_rank0, strict=strict,
+                                                  bucket_bytes=bucket_bytes),
                          failed=error)
     missing = [k for k in model.state_dict(keep_vars=True) if aliases.get(k, k) in plan.missing]
     missing = _peft.without_left_adapters(viewed, missing)
@@ -265,16 +269,21 @@ def iter_full_state_dict(
         >>> [k for bucket in iter_full_state_dict(torch.nn.Linear(2, 3)) for k, _ in bucket]
         ['weight', 'bias']
     """
-    return _stream_state(model, bucket_bytes, adapter_weights_only, is_adapter, retained=False)
+    return _stream_state(model, bucket_bytes, adapter_weights_only, is_adapter, retained=False,
+                         call="iter_full_state_dict")
 
 
 def _stream_state(model: nn.Module, bucket_bytes: int | None, adapter_weights_only: bool,
-                  is_adapter: Callable[[str, torch.Tensor], bool] | None, *, retained: bool,
+                  is_adapter: Callable[[str, torch.Tensor], bool] | None, *, retained: bool, call: str,
                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """:func:`iter_full_state_dict`; ``retained``: the caller keeps every bucket (see ``collect``)."""
+    """:func:`iter_full_state_dict`; ``retained``: the caller keeps every bucket (see ``collect``);
+    ``call``: the public call, named when the ranks disagree on an argument."""
+    # the arguments that change the exchange, agreed before it (one small object all-gather)
+    agree_arguments(call, bucket_bytes=bucket_bytes, adapter_weights_only=adapter_weights_only,
+                    is_adapter=is_adapter)
     error: Exception | None = None
     try:  # a bad argument or a failing is_adapter on any rank: raised on every rank by the engine's
-        # one metadata exchange (no agreement of its own)
+        # one metadata exchange
         check_type(model, nn.Module, "model", "a torch.nn.Module")
         bucket_bytes = bucket_size(bucket_bytes)
         items, groups = _gather_items(model, adapter_weights_only, is_adapter)
@@ -341,6 +350,7 @@ def gather_cpu_state_dict(
     check_comm_device("gather_cpu_state_dict", device)
     keep = check_rank_zero("gather_cpu_state_dict", is_rank_zero)
     out: dict[str, torch.Tensor] = {}
-    for bucket in _stream_state(model, bucket_bytes, adapter_weights_only, is_adapter, retained=True):
+    for bucket in _stream_state(model, bucket_bytes, adapter_weights_only, is_adapter, retained=True,
+                                call="gather_cpu_state_dict"):
         out.update(bucket)
     return out if keep else {}

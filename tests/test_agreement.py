@@ -458,3 +458,70 @@ def test_one_rank_passing_an_argument_the_other_does_not_know() -> None:
     views = [arguments_view("load_dcp", strict=True), arguments_view("load_dcp")]
     with pytest.raises(ValueError, match="strict: rank 0 passed True, rank 1 passed <nothing>"):
         check_arguments(views)
+
+
+# ----------------------------------------------------------------------------------------------
+# model and optimizer state: the loads fold the arguments into the engine's one metadata exchange,
+# the gathers agree them before it
+def _state_call(call: str, values: tuple) -> tuple[str, str, bool]:
+    """``call`` with this rank's argument; the error and whether every local shard (and, for the
+    optimizer load, every optimizer state tensor) is unchanged."""
+    from fsdptk import (
+        gather_cpu_state_dict,
+        get_full_optimizer_state_dict,
+        iter_full_optimizer_state,
+        iter_full_state_dict,
+        load_from_full_model_state_dict,
+        load_from_full_optimizer_state_dict,
+    )
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    before = _shards(model)
+    moments = [opt.state[p]["momentum_buffer"].to_local().clone() for p in model.parameters()]
+    full = {k: torch.full(v.shape, 7.0) for k, v in model.state_dict().items()}
+    kwargs = _mine(values)
+    if call == "load_from_full_model_state_dict":
+        kind, text = _raised(load_from_full_model_state_dict, model, full if dist.get_rank() == 0 else {}, "cpu",
+                             **{"broadcast_from_rank0": True, **kwargs})
+    elif call == "gather_cpu_state_dict":
+        kind, text = _raised(gather_cpu_state_dict, model, dist.get_rank() == 0, **kwargs)
+    elif call == "iter_full_state_dict":
+        kind, text = _raised(lambda: list(iter_full_state_dict(model, **kwargs)))
+    elif call == "get_full_optimizer_state_dict":
+        kind, text = _raised(get_full_optimizer_state_dict, model, opt, dist.get_rank() == 0, **kwargs)
+    elif call == "iter_full_optimizer_state":
+        kind, text = _raised(lambda: list(iter_full_optimizer_state(model, opt, **kwargs)))
+    else:
+        osd = get_full_optimizer_state_dict(model, opt, dist.get_rank() == 0)
+        mine = osd if dist.get_rank() == 0 or not kwargs.get("broadcast_from_rank0", False) else {}
+        if dist.get_rank() != 0 and "broadcast_from_rank0" in kwargs and not kwargs["broadcast_from_rank0"]:
+            mine = {}  # a rank that believes it reads, holding nothing: the disagreement must win
+        kind, text = _raised(load_from_full_optimizer_state_dict, model, opt, mine, "cpu", **kwargs)
+    after = [opt.state[p]["momentum_buffer"].to_local() for p in model.parameters()]
+    return kind, text, _unchanged(before, model) and all(torch.equal(a, b) for a, b in zip(moments, after))
+
+
+STATE_ARGUMENTS = [
+    ("load_from_full_model_state_dict", ("strict", True, False), "True", "False"),
+    ("load_from_full_model_state_dict", ("bucket_bytes", 64, DEFAULT), "64", "None"),
+    ("load_from_full_model_state_dict", ("broadcast_from_rank0", True, False), "True", "False"),
+    ("gather_cpu_state_dict", ("bucket_bytes", 64, DEFAULT), "64", "None"),
+    ("gather_cpu_state_dict", ("adapter_weights_only", True, False), "True", "False"),
+    ("iter_full_state_dict", ("bucket_bytes", 64, DEFAULT), "64", "None"),
+    ("get_full_optimizer_state_dict", ("bucket_bytes", 64, DEFAULT), "64", "None"),
+    ("iter_full_optimizer_state", ("bucket_bytes", 64, DEFAULT), "64", "None"),
+    ("load_from_full_optimizer_state_dict", ("broadcast_from_rank0", True, False), "True", "False"),
+    ("load_from_full_optimizer_state_dict", ("strict", True, False), "True", "False"),
+]
+
+
+@pytest.mark.parametrize(("call", "values", "d0", "d1"), STATE_ARGUMENTS,
+                         ids=[f"{c}-{v[0]}" for c, v, *_ in STATE_ARGUMENTS])
+def test_state_calls_with_different_arguments_raise_on_every_rank_and_change_nothing(world, call, values, d0,
+                                                                                    d1) -> None:
+    results = world(2).run(_state_call, call, values, timeout=60)
+    _assert_every_rank(results, _disagreement(call, values[0], d0, d1))
+    assert [unchanged for *_, unchanged in results] == [True, True]

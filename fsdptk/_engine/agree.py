@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from fsdptk._core.arguments import ArgumentsView, check_arguments
 from fsdptk._core.dist import (
     all_gather_object,
     comm_device,
@@ -67,6 +68,7 @@ class _LoadView(NamedTuple):
     layouts: list[RankLayout] | None  # per target, its piece (rank-0 scatters only)
     error: Any  # error_payload of its local failure, or None
     extra: Any  # the caller's own pre-flight view
+    arguments: ArgumentsView | None  # the call's per-rank arguments that change the exchange
 
 
 @dataclass(frozen=True)
@@ -257,6 +259,7 @@ def agree(
     src_rank0: bool = False,
     cast: bool = True,
     extra: Any = None,
+    arguments: ArgumentsView | None = None,
     failed: BaseException | None = None,
 ) -> LoadPlan:
     """Agree on every rank which keys move, with which shapes and dtypes, before any tensor moves.
@@ -278,6 +281,10 @@ def agree(
             error); ``False`` keeps the source dtype (no dtype check).
         extra: the caller's own pre-flight view (any picklable value), carried in the same object
             exchange so that a call needs no second one; every rank's is in ``plan.extras``.
+        arguments: the calling function's per-rank arguments that change what the ranks exchange
+            (:func:`fsdptk._core.arguments.arguments_view`), carried in the same exchange and
+            compared first: ranks that differ get one ValueError naming each argument and every
+            rank's value, before any other verdict.
         failed: the caller's own pre-flight error on this rank (a bad argument), carried in the
             same exchange: every rank then raises the lowest failing rank's error, and a caller
             needs no agreement of its own before this one. ``targets`` and ``source`` are not
@@ -287,7 +294,8 @@ def agree(
         LoadPlan: ``keys`` (in target order), ``missing``, ``unexpected``, ``metas``, ``extras``.
 
     Raises:
-        ValueError: on every rank, listing each shape mismatch (key and both shapes), each float
+        ValueError: on every rank, naming the arguments the ranks disagree on (each rank's
+            value); listing each shape mismatch (key and both shapes), each float
             into integer target (key and both dtypes), targets or sources that differ between ranks.
         TypeError: on every rank, when the only problems are non-tensor values (key and type).
         Exception: ``failed`` (the lowest failing rank's), on every rank.
@@ -319,7 +327,9 @@ def agree(
     except Exception as e:  # noqa: BLE001 - raised on every rank just below
         error = e
     views = all_gather_object(_LoadView(fingerprint=fp, check=check, layouts=layout,
-                                        error=error_payload(error), extra=extra))
+                                        error=error_payload(error), extra=extra, arguments=arguments))
+    if any(v.arguments is not None for v in views):  # first: a disagreement explains the rest
+        check_arguments([v.arguments or ArgumentsView(call="(no arguments sent)", values=()) for v in views])
     raise_lowest([v.error for v in views], error)
     diff = [r for r, v in enumerate(views) if v.fingerprint != views[0].fingerprint]
     if diff:
