@@ -86,9 +86,30 @@ class TransposedLlamaConfig(transformers.LlamaConfig):
     model_type = "fsdptk_test_transposed"
 
 
+class ValuesLlamaConfig(transformers.LlamaConfig):
+    """A Llama whose (registered) conversion needs the tensors' values: not even its save layout
+    can be planned from the shapes."""
+
+    model_type = "fsdptk_test_values"
+
+
 def _register() -> None:
     from transformers.conversion_mapping import register_checkpoint_conversion_mapping
-    from transformers.core_model_loading import Chunk, Interleave, Transpose, WeightConverter
+    from transformers.core_model_loading import Chunk, ConversionOps, Interleave, Transpose, WeightConverter
+
+    class NeedsValues(ConversionOps):
+        def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+            tensor = next(iter(input_dict.values()))
+            tensor = tensor[0] if isinstance(tensor, list) else tensor
+            tensor.sum().item()  # a value: no meta kernel can give it
+            return {target_patterns[0]: tensor}
+
+        @property
+        def reverse_op(self):
+            return NeedsValues()
+
+    register_checkpoint_conversion_mapping(ValuesLlamaConfig.model_type, [WeightConverter(
+        "mlp.down.weight", "mlp.down_proj.weight", [NeedsValues()])], overwrite=True)
 
     register_checkpoint_conversion_mapping(InterleavedLlamaConfig.model_type, [WeightConverter(
         "mlp.gate_up.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Interleave(dim=0), Chunk(dim=0)])],
@@ -120,7 +141,7 @@ def _local(model) -> dict[str, torch.Tensor]:
 def _refused(path: str, action: str) -> tuple[str, str, list[str]]:
     from fsdptk import load_safetensors, save_safetensors
 
-    model = _sharded(InterleavedLlamaConfig)
+    model = _sharded(ValuesLlamaConfig if action == "save, values needed" else InterleavedLlamaConfig)
     before = _local(model)
     kind, message = "no error", ""
     try:
@@ -138,11 +159,12 @@ def _snapshot(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("action", ["load", "save"])
+@pytest.mark.parametrize("action", ["load", "save", "save, values needed"])
 def test_an_op_without_a_per_shard_plan_is_refused_up_front(world, tmp_path, action):
     """transformers' ``Interleave`` has no per-box plan in fsdptk: a load of a checkpoint that
     needs it and a save into its layout are refused on every rank from the metadata, naming the
-    operation and the keys; the model keeps its values and the directory is as it was."""
+    operation and the keys; so is a save whose layout needs the values to be planned. The model
+    keeps its values and the directory is as it was."""
     torch.manual_seed(1)
     plain = transformers.LlamaForCausalLM(transformers.LlamaConfig(**_LLAMA))
     plain.save_pretrained(tmp_path)
@@ -156,9 +178,12 @@ def test_an_op_without_a_per_shard_plan_is_refused_up_front(world, tmp_path, act
 
         save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
     before = _snapshot(tmp_path)
+    needles = (["cannot be planned from the shapes", "LlamaForCausalLM", "conversion=None"]
+               if action == "save, values needed" else
+               ["Interleave", "model.layers.0.mlp.gate_up.weight", "no per-shard plan", "conversion=None"])
     for kind, message, changed in world(2).run(_refused, str(tmp_path), action, timeout=60):
         assert kind == "ConversionError", (kind, message)
-        for needle in ("Interleave", "model.layers.0.mlp.gate_up.weight", "no per-shard plan", "conversion=None"):
+        for needle in needles:
             assert needle in message, (needle, message)
         assert changed == [], changed
     assert _snapshot(tmp_path) == before  # nothing written, nothing removed
