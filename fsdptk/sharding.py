@@ -104,14 +104,6 @@ def _target(unit: Unit) -> nn.Module | list[nn.Module]:
     return unit.modules[0] if len(unit.modules) == 1 else list(unit.modules)
 
 
-def _backend(mesh: DeviceMesh | None) -> str:
-    import torch.distributed as dist
-
-    if mesh is None:
-        return str(dist.get_backend())
-    return str(dist.get_backend(mesh.get_group(mesh.ndim - 1)))
-
-
 def _expert_units(model: nn.Module, expert_dp_mesh: DeviceMesh | None
                   ) -> list[tuple[str, nn.Module]]:
     """The expert-parallel modules (:func:`fsdptk.apply_ep`), checked against ``expert_dp_mesh``."""
@@ -140,6 +132,30 @@ def _expert_units(model: nn.Module, expert_dp_mesh: DeviceMesh | None
             f"experts' ep mesh comes from: pass ParallelDims.expert_fsdp_mesh of the dims whose "
             "ep_mesh apply_ep got")
     return found
+
+
+# -- the experts' gradient divisor ---------------------------------------------------------------
+# Every data-parallel rank's tokens reach the experts: before any reduction, an expert's gradient
+# on its rank is the sum of the per-batch (mean-loss) gradients of the ep / tp batches of its EP
+# group (the ranks of a TP group share one batch and each sends a disjoint slice of it). FSDP then
+# averages over the expert mesh, dp_replicate * efsdp ranks, whose EP groups hold the other batches.
+# The dense model's gradient is the mean over all dp_replicate * dp_shard batches, so the experts'
+# gradient is scaled by (dp_replicate * efsdp) / (dp_replicate * dp_shard) = tp / ep in the backward
+# of the experts' own forward, before FSDP sees it, and FSDP keeps its default divisor.
+# Not FSDP's set_gradient_divide_factor: where the expert shard dim has one rank (efsdp = 1: HSDP x
+# EP, or ep = dp_shard * tp) FSDP2 (torch 2.13) divides by that factor while copying the unreduced
+# gradient and again after the reduction whenever it reduces with sums (gloo's forced sums, and
+# every reduce_dtype other than fp32 / bf16, e.g. fp16): 1/factor**2.
+def _expert_grad_scale(expert_dp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh | None) -> float:
+    """``(dp_replicate * efsdp) / (dp_replicate * dp_shard)``: the expert mesh's size over the dense
+    data-parallel size; ValueError (before anything is sharded) when the expert mesh is the larger."""
+    dense_dp = dp_mesh.size() if dp_mesh is not None else world()[0]
+    expert_dp = expert_dp_mesh.size() if expert_dp_mesh is not None else 1
+    if expert_dp > dense_dp:
+        raise ValueError(
+            f"expert_dp_mesh has {expert_dp} ranks, more than the dense data-parallel mesh "
+            f"({dense_dp}): pass the expert_fsdp_mesh and fsdp_mesh of one ParallelDims")
+    return expert_dp / dense_dp
 
 
 def _set_prefetch(units: list[FSDPModule], forward: int, backward: int) -> None:
@@ -214,9 +230,10 @@ def shard_model(
         expert_dp_mesh: with expert parallelism (:func:`fsdptk.apply_ep`), the mesh the experts
             are FSDP-sharded over: :attr:`fsdptk.ParallelDims.expert_fsdp_mesh` (``efsdp``, or
             ``(dp_replicate, efsdp)`` with HSDP). Each experts module becomes a unit of its own,
-            sharded first, with the same options; its gradients are divided by the dense
-            data-parallel size (``dp_mesh``'s size), not the expert mesh's, because every rank's
-            tokens reach the experts, so the experts' gradients match the dense model's.
+            sharded first, with the same options; its gradients are averaged over every
+            data-parallel rank (``dp_mesh``'s size), not only over the expert mesh, because every
+            rank's tokens reach the experts, so the experts' gradients match the dense model's
+            (fp32 or any ``reduce_dtype``).
 
     Returns:
         ShardingPlan: the applied units (see :func:`describe_sharding`); ``print`` it for a table.
@@ -226,7 +243,7 @@ def shard_model(
             FSDP unit, the model is already sharded, a parameter is 0-dim, ``dp_mesh`` is not 1-D
             or 2-D, or a prefetch depth is not an int >= 0; when the model has expert-parallel
             modules and no ``expert_dp_mesh`` (or one without them), or ``expert_dp_mesh`` is not
-            of the experts' mesh.
+            of the experts' mesh or has more ranks than ``dp_mesh``.
         ShardConditionError: when a condition raises; names the condition and the module FQN.
         RuntimeError: when ``cpu_offload=True`` without an accelerator, or without a mesh and a
             process group. In every error case the model is left unchanged.
@@ -240,10 +257,13 @@ def shard_model(
         ...                    forward_prefetch=1, backward_prefetch=1)
         >>> print(plan)  # needs the plan above; tests/test_sharding.py prints one  # doctest: +SKIP
     """
+    from fsdptk._plans.ep_styles import set_grad_scale
+
     _check_options(cpu_offload, dp_mesh, forward_prefetch, backward_prefetch, mp_policy,
                    root_reshard_after_forward)
     plan = make_plan(model, shard_conditions)
     experts = _expert_units(model, expert_dp_mesh)
+    expert_scale = _expert_grad_scale(expert_dp_mesh, dp_mesh) if experts else 1.0
     world_size = _shard_world_size(dp_mesh)
     summary = summarise(plan, world_size)
 
@@ -254,21 +274,13 @@ def shard_model(
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
         "shard_placement_fn": shard_placement_fn,
     }
-    # The experts first (innermost), over their own mesh; their gradients averaged like the dense
-    # ones: over every data-parallel rank (all of whose tokens reach the experts).
-    dense_dp = dp_mesh.size() if dp_mesh is not None else world()[0]
+    # The experts first (innermost), over their own mesh. Gradients: see _expert_grad_scale.
     for fqn, module in experts:
         fully_shard(module, **{**kwargs, "mesh": expert_dp_mesh})
-        module.set_gradient_divide_factor(float(dense_dp))  # type: ignore[operator]
-        # PreMulSum is NCCL's: on other backends sum, then divide apart. Not where the shard dim
-        # has one rank (efsdp = 1): FSDP2 (torch 2.13-2.15) then divides while copying the
-        # unreduced gradient and, with sums forced, a second time after the reduction
-        if _backend(expert_dp_mesh) != "nccl" and expert_dp_mesh is not None and (
-                expert_dp_mesh.size(expert_dp_mesh.ndim - 1) > 1):
-            module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
-        log_rank0(_log, "fully_shard(%s) over the expert mesh %s", fqn,
+        set_grad_scale(module, expert_scale)
+        log_rank0(_log, "fully_shard(%s) over the expert mesh %s, gradients scaled by %s", fqn,
                   tuple(expert_dp_mesh.shape) if expert_dp_mesh is not None else None,
-                  level=logging.DEBUG)
+                  expert_scale, level=logging.DEBUG)
     # Bottom-up: a unit must be sharded before any unit that contains it, so that the outer unit
     # skips the inner unit's parameters. Reverse registration order guarantees that (tied groups
     # are ordered by their first member, which is valid because the planner only groups modules

@@ -15,8 +15,14 @@ the judge is transformers' single-process model:
   resumed at ``tp=2, ep=2`` on 4 ranks, exactly; the background save;
 - the all-to-all dispatch against the unsharded experts module for drawn routings (hypothesis):
   outputs and every gradient;
+- gradients: after one backward and FSDP's reduction, every expert and dense parameter's
+  ``.grad`` (made full) equals transformers' single-process ``.grad`` on the whole batch, for every
+  layout ``ParallelDims`` accepts at 4 and at 2 ranks (enumerated through ``ParallelDims`` itself),
+  with ``reduce_dtype`` fp32, bf16 and fp16; the placements and mesh dims of expert and dense
+  parameters and which experts each rank holds, as docs/expert_parallel.md states them; gpt-oss
+  (logits and gradients) at ``ep=2`` and ``tp=2, ep=2``;
 - errors on every rank: an ``ep`` that does not divide the experts, a model without an EP plan,
-  ``shard_model`` without the expert mesh.
+  ``shard_model`` without the expert mesh, or with an expert mesh larger than the dense one.
 """
 
 from __future__ import annotations
@@ -344,6 +350,228 @@ def _shard_without_expert_mesh() -> tuple[str, str]:
                                       dp_mesh=dims.fsdp_mesh))
 
 
+def _shard_with_a_smaller_dense_mesh() -> tuple[str, str, bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdptk import apply_ep, shard_model
+    from fsdptk.hf import hf_ep_plan, hf_meta_model, no_split_modules
+
+    dims = ParallelDims(dp_shard=4, ep=2)
+    dims.build_mesh("cpu")
+    model = hf_meta_model(_config("qwen3_moe"))
+    apply_ep(model, dims.ep_mesh, hf_ep_plan(model))
+    one = init_device_mesh("cpu", (4, 1), mesh_dim_names=("a", "b"))["b"]
+    kind, msg = raised(lambda: shard_model(model, no_split_modules(model), cpu_offload=False,
+                                           dp_mesh=one, expert_dp_mesh=dims.expert_fsdp_mesh))
+    return kind, msg, any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def test_expert_mesh_larger_than_the_dense_mesh_is_refused_before_sharding(world):
+    """The experts' gradient scale (expert mesh size / dense dp size) would exceed 1."""
+    for kind, msg, sharded in world(4).run(_shard_with_a_smaller_dense_mesh):
+        assert (kind, sharded) == ("ValueError", False), (kind, msg)
+        assert "expert_dp_mesh has 2 ranks" in msg and "(1)" in msg, msg
+
+
 def test_shard_model_needs_the_expert_mesh(world):
     _same_on_every_rank(world(2).run(_shard_without_expert_mesh), "ValueError",
                         "expert_dp_mesh=dims.expert_fsdp_mesh")
+
+
+# ---------------------------------------------------------------------------------------------
+# gradients: every parameter's reduced .grad against transformers' single-process model, for
+# every layout ParallelDims accepts (enumerated through ParallelDims itself, so a newly accepted
+# layout is covered), fp32 and a low-precision reduce_dtype; and where the experts live
+def accepted_ep_layouts(world_size: int) -> list[dict]:
+    """Every ``ParallelDims(dp_replicate, dp_shard, tp, ep>1)`` the mesh accepts at ``world_size``
+    ranks: the constructor is the judge (ep divides dp_shard * tp and is a multiple of tp)."""
+    out = []
+    for r in range(1, world_size + 1):
+        for t in range(1, world_size + 1):
+            if world_size % (r * t):
+                continue
+            for ep in range(2, world_size + 1):
+                kw = {"dp_replicate": r, "dp_shard": world_size // (r * t), "tp": t, "ep": ep}
+                try:
+                    ParallelDims(**kw, world_size=world_size)
+                except ValueError:
+                    continue
+                out.append(kw)
+    return out
+
+
+def _layout_id(kw: dict) -> str:
+    return "-".join(f"{k.replace('dp_', '')}{v}" for k, v in kw.items())
+
+
+GRAD_LAYOUTS = [(n, kw) for n in (4, 2) for kw in accepted_ep_layouts(n)]
+_GRAD_FAMILIES = {  # tiny and TP-able at tp=4 (4 KV heads, vocab divisible by 4)
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "moe_intermediate_size": 16,
+                                     "intermediate_size": 32, "head_dim": 8}),
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 8, "intermediate_size": 16, "head_dim": 8}),
+}
+# fp32 reduction: the only differences are summation orders: rtol 1e-5 and atol 1e-5 of the
+# tensor's largest |want| (measured: at most 1.1e-6 of it; gradients here are ~1e-3, so a fixed
+# atol of 1e-6 would pass a relative error of 2e-4; this one fails at 2e-5). A 16-bit
+# reduce_dtype (unit roundoff u = finfo.eps / 2: 2**-8 for bf16, 2**-11 for fp16): each gradient is
+# rounded on the cast to it, the pre-division (fp16), each partial sum of the reduce-scatter (at
+# most 2 here) and of the all-reduce (1), the post-division and the cast back: at most 7 roundings,
+# so |got - want| <= 8u * (scale of the summands), taken per tensor as its largest |want|
+# (measured: at most 2u for bf16, 3.4u for fp16). A wrong divisor is a factor >= 2: an error of
+# >= 50% of that tensor's largest entry.
+_FP32_RTOL = 1e-5
+
+
+def _low_precision_bound(reduce_dtype: str) -> float:
+    """8 unit roundoffs of ``reduce_dtype``, relative to a tensor's largest entry (see above)."""
+    return 8 * torch.finfo(getattr(torch, reduce_dtype)).eps / 2
+
+
+def _grad_config(family: str):
+    cls, extra = _GRAD_FAMILIES[family]
+    kw = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+              vocab_size=128, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return getattr(transformers, cls)(**{**kw, **extra})
+
+
+_GRAD_REFS: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="module")
+def grad_reference(tmp_path_factory):
+    """family -> a save_pretrained directory, transformers' single-process logits and every
+    parameter's .grad of the mean loss over the whole batch."""
+
+    def build(family: str) -> dict:
+        if family not in _GRAD_REFS:
+            root = tmp_path_factory.mktemp(f"grads-{family}")
+            torch.manual_seed(0)
+            transformers.AutoModelForCausalLM.from_config(_grad_config(family)).save_pretrained(root)
+            model = transformers.AutoModelForCausalLM.from_pretrained(root)
+            batch = _grad_batch()
+            logits = _logits(model, batch)
+            model.train()
+            model(input_ids=batch, labels=batch).loss.backward()
+            _GRAD_REFS[family] = {"src": root, "logits": logits,
+                                  "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+        return _GRAD_REFS[family]
+
+    return build
+
+
+def _grad_batch() -> torch.Tensor:
+    return torch.randint(3, 128, (_BATCH, 8), generator=torch.Generator().manual_seed(11))
+
+
+def _held_experts(p) -> list[int]:
+    """The experts (rows of the full tensor) this rank's local shard of ``p`` holds."""
+    full, local = p.full_tensor(), p.to_local()
+    return [next(j for j in range(full.shape[0]) if torch.equal(full[j], row)) for row in local]
+
+
+def _ep_grads(src: str, dims_kw: dict, reduce_dtype: str | None) -> dict:
+    """One backward of this rank's rows (the loss is each rank's mean, so FSDP's average over the
+    data-parallel ranks is the whole batch's mean); every parameter's full reduced .grad (rank 0),
+    every parameter's mesh dims and placements, the experts each rank holds, the logits."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.tensor import DTensor
+
+    from fsdptk import expert_modules
+
+    dims = ParallelDims(**dims_kw)
+    mp = MixedPrecisionPolicy(reduce_dtype=getattr(torch, reduce_dtype)) if reduce_dtype else None
+    model = from_pretrained(src, dims=dims, mp_policy=mp)
+    logits = _logits(model, _grad_batch())
+    model.train()
+    per = _BATCH // dims.dp_degree
+    rows = _grad_batch()[dims.dp_rank * per:(dims.dp_rank + 1) * per]
+    model(input_ids=rows, labels=rows).loss.backward()
+    grads, layout = {}, {}
+    for n, p in model.named_parameters():  # the same order on every rank: collectives line up
+        g = p.grad
+        grads[n] = g.full_tensor() if isinstance(g, DTensor) else g
+        layout[n] = (p.device_mesh.mesh_dim_names, tuple(repr(x) for x in p.placements))
+    held = {f: _held_experts(next(model.get_submodule(f).parameters())) for f in expert_modules(model)}
+    return {"grads": grads if dist.get_rank() == 0 else {}, "layout": layout, "held": held,
+            "logits": logits}
+
+
+def _expected_held(dims: ParallelDims, rank: int, experts: int) -> list[int]:
+    """What docs/expert_parallel.md says rank ``rank`` holds: the ep rank's contiguous range of
+    experts, of which the efsdp rank's contiguous part (FSDP's Shard(0) of that range); the expert
+    mesh is (dp_replicate, efsdp, ep) over the ranks in order."""
+    ep_rank, efsdp_rank = rank % dims.ep, (rank // dims.ep) % dims.efsdp
+    per_ep = experts // dims.ep
+    per = per_ep // dims.efsdp
+    start = ep_rank * per_ep + efsdp_rank * per
+    return list(range(start, start + per))
+
+
+def _check_grads(results: list[dict], ref: dict, reduce_dtype: str | None) -> None:
+    got = results[0]["grads"]
+    assert sorted(got) == sorted(ref["grads"])
+    assert any(".experts." in n for n in got)
+    for n, want in ref["grads"].items():
+        g = got[n]
+        assert g.dtype == want.dtype and g.shape == want.shape, (n, g.dtype, g.shape)
+        if reduce_dtype is None:
+            torch.testing.assert_close(g, want, rtol=_FP32_RTOL, atol=_FP32_RTOL * want.abs().max().item(),
+                                       msg=lambda m, n=n: f"{n}: {m}")
+        else:
+            bound = _low_precision_bound(reduce_dtype) * want.abs().max().item()
+            err = (g - want).abs().max().item()
+            assert err <= bound, f"{n}: {reduce_dtype}-reduced gradient off by {err} > {bound}"
+    for r in results:
+        assert (r["logits"] - ref["logits"]).abs().max().item() <= 1e-5
+
+
+def _check_layout(results: list[dict], dims_kw: dict, family: str) -> None:
+    """The placements docs/expert_parallel.md states, on every rank: experts ``Shard(0)`` over
+    ``ep`` and FSDP's (strided) shard of the rank's range over ``efsdp``, replicated over
+    ``dp_replicate``; dense parameters FSDP's ``Shard(0)`` over ``dp_shard`` (strided over a TP
+    dim-0 shard), replicated over ``dp_replicate``, then their TP placement; and which experts each
+    rank holds."""
+    dims = ParallelDims(**dims_kw, world_size=len(results))
+    hsdp = ("dp_replicate",) if dims.dp_replicate > 1 else ()
+    replicas = ("Replicate()",) * len(hsdp)
+    cfg = _grad_config(family)
+    experts = getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    for rank, r in enumerate(results):
+        assert r["held"], "no expert-parallel module"
+        for n, (mesh_dims, placements) in r["layout"].items():
+            if ".experts." in n:
+                assert mesh_dims == hsdp + ("efsdp", "ep"), (n, mesh_dims)
+                assert placements == replicas + (f"_StridedShard(dim=0, sf={dims.ep})", "Shard(dim=0)"), (
+                    n, placements)
+                continue
+            tp = mesh_dims[len(hsdp) + 1:]
+            assert mesh_dims[:len(hsdp) + 1] == hsdp + ("dp_shard",) and tp in ((), ("tp",)), (n, mesh_dims)
+            assert not tp or dims.tp > 1, (n, mesh_dims)
+            on_tp_dim0 = tp and placements[-1] == "Shard(dim=0)"
+            fsdp = f"_StridedShard(dim=0, sf={dims.tp})" if on_tp_dim0 else "Shard(dim=0)"
+            assert placements[:len(hsdp) + 1] == replicas + (fsdp,), (n, placements)
+        for fqn, held in r["held"].items():
+            assert held == _expected_held(dims, rank, experts), (rank, fqn, held)
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, "bfloat16", "float16"], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("ranks, dims_kw", GRAD_LAYOUTS, ids=[f"{n}ranks-{_layout_id(kw)}" for n, kw in GRAD_LAYOUTS])
+def test_ep_gradients_equal_the_single_process_model(world, grad_reference, ranks, dims_kw, reduce_dtype):
+    ref = grad_reference("qwen3_moe")
+    results = world(ranks).run(_ep_grads, str(ref["src"]), dims_kw, reduce_dtype)
+    _check_grads(results, ref, reduce_dtype)
+    if reduce_dtype is None:
+        _check_layout(results, dims_kw, "qwen3_moe")
+
+
+@pytest.mark.parametrize("dims_kw", [{"dp_shard": 4, "ep": 2}, {"dp_shard": 2, "tp": 2, "ep": 2}],
+                         ids=["ep2", "tp2-ep2"])
+def test_gpt_oss_under_ep_equals_the_single_process_model(world, grad_reference, dims_kw):
+    """gpt-oss (biased experts, interleaved gate/up, sinks, sliding window) at 4 ranks: logits and
+    every gradient against transformers' single-process model."""
+    ref = grad_reference("gpt_oss")
+    results = world(4).run(_ep_grads, str(ref["src"]), dims_kw, None)
+    _check_grads(results, ref, None)
+    _check_layout(results, dims_kw, "gpt_oss")

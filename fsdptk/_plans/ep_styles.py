@@ -19,8 +19,9 @@ dispatch around the module's own forward:
    ``Shard(0) -> Replicate``, whose backward keeps each rank's slice of the gradient).
 
 The parameters are swapped for their local tensors for the module's own forward (gradients flow
-back to the DTensors). A rank that receives no rows still runs its experts on one zero-weighted
-row, so the backward reaches every parameter and FSDP's gradient reduction runs on every rank.
+back to the DTensors, multiplied by the module's gradient scale: :func:`set_grad_scale`). A rank
+that receives no rows still runs its experts on one zero-weighted row, so the backward reaches
+every parameter and FSDP's gradient reduction runs on every rank.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-__all__ = ["EP_ATTR", "ExpertParallel", "ExpertsInfo", "experts_info"]
+__all__ = ["EP_ATTR", "ExpertParallel", "ExpertsInfo", "experts_info", "set_grad_scale"]
 
 EP_ATTR = "_fsdptk_expert_parallel"  # set on an experts module once EP is applied
+_GRAD_SCALE_ATTR = "_fsdptk_expert_grad_scale"  # set by set_grad_scale; 1.0 when absent
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,35 @@ def experts_info(module: nn.Module) -> ExpertsInfo | None:
     """The :class:`ExpertsInfo` of an expert-parallel module, else None."""
     info = getattr(module, EP_ATTR, None)
     return info if isinstance(info, ExpertsInfo) else None
+
+
+def set_grad_scale(module: nn.Module, scale: float) -> None:
+    """Multiply the gradients the expert-parallel ``module``'s parameters receive by ``scale``.
+
+    Applied in the backward of the local views the module's own forward runs on, before any
+    gradient reduction; ``fsdptk.shard_model`` sets it (see its ``expert_dp_mesh``).
+
+    Raises:
+        ValueError: ``module`` is not expert-parallel, or ``scale`` is not in ``(0, 1]``.
+    """
+    if experts_info(module) is None:
+        raise ValueError(f"{type(module).__name__} is not expert-parallel (fsdptk.apply_ep)")
+    if not 0.0 < scale <= 1.0:
+        raise ValueError(f"an experts gradient scale must be in (0, 1], got {scale}")
+    setattr(module, _GRAD_SCALE_ATTR, float(scale))
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, scale: float) -> torch.Tensor:  # noqa: D102
+        ctx.scale = scale
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # noqa: D102
+        return grad * ctx.scale, None
 
 
 class _Route(NamedTuple):
@@ -153,7 +184,7 @@ class ExpertParallel:
             if isinstance(top_k_weights, DTensor):
                 top_k_weights = top_k_weights.to_local()
             rows, ids, weights, route = self._dispatch(hidden_states, top_k_index, top_k_weights, local)
-            with _local_params(module):
+            with _local_params(module, getattr(module, _GRAD_SCALE_ATTR, 1.0)):
                 if rows.shape[0]:
                     out = own_forward(rows, ids, weights)
                 else:  # keep the backward (and FSDP's reduction) running on this rank
@@ -209,17 +240,21 @@ class ExpertParallel:
 
 class _local_params:  # noqa: N801 - used as a context manager
     """Swap a module's DTensor parameters for their local tensors for one call (gradients flow
-    back to the DTensors through ``to_local``'s autograd)."""
+    back to the DTensors through ``to_local``'s autograd, multiplied by ``scale`` when not 1)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, scale: float = 1.0) -> None:
         self.module = module
+        self.scale = scale
         self.saved: dict[str, Any] = {}
 
     def __enter__(self) -> None:
         for n, p in self.module._parameters.items():
             if isinstance(p, DTensor):
                 self.saved[n] = p
-                self.module._parameters[n] = p.to_local()
+                local = p.to_local()
+                if self.scale != 1.0 and local.requires_grad:
+                    local = _ScaleGrad.apply(local, self.scale)
+                self.module._parameters[n] = local
 
     def __exit__(self, *exc: object) -> None:
         self.module._parameters.update(self.saved)
