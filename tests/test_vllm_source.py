@@ -14,10 +14,12 @@ On a tiny transformers Llama under FSDP2 at 2 ranks (tied and untied embeddings)
   (it rejects a source whose first owner is not rank 0), and vLLM's own check of a sender's
   iteration against the metadata (``NCCLTrainerWeightTransferEngine._checked_iter``) passes;
 - vLLM's ``ModuleSource`` on the same model yields the same tensors, bit for bit, under the module's
-  names (for a Llama the Hub names, apart from a tied ``lm_head.weight``, which neither yields);
-- each rank's ``iter_full`` yields exactly ``owned_names(rank)`` in metadata order, and the source's
-  ``owned_names`` is vLLM's base-class definition (the names whose records list the rank in
-  ``owners``: vLLM's records say who yields a name in either mode);
+  names (for a Llama the Hub names, apart from a tied ``lm_head.weight``, which neither yields), and
+  where fsdptk declares a tensor with ModuleSource's owners, mesh and placements, the same
+  ``iter_local`` piece;
+- each rank's ``iter_full`` and ``iter_local`` yield exactly ``owned_names(rank)`` in metadata order,
+  and the source's ``owned_names`` is vLLM's base-class definition (the names whose records list
+  the rank in ``owners``: vLLM's records say who yields a name in either mode);
 - ``owners=2``: the union of both ranks' ``iter_full`` is the same set of tensors.
 """
 
@@ -96,8 +98,11 @@ def _check_against_vllm(tie: bool) -> dict[str, Any]:
         for name, t in full:
             assert t.dtype == by_name[name].dtype and tuple(t.shape) == by_name[name].shape, name
             assert not isinstance(t, torch.distributed.tensor.DTensor)
+        local = [(n, t.clone()) for n, t in source.iter_local()]
+        assert [n for n, _ in local] == source.owned_names(rank)  # both modes: exactly the owned names
         out[f"meta{owners}"] = _records(meta)
         out[f"full{owners}"] = {n: t.clone() for n, t in full}
+        out[f"local{owners}"] = dict(local)
         if owners == 1 and rank == 0:  # vLLM's own check of the sender's stream against the metadata
             try:
                 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
@@ -110,7 +115,28 @@ def _check_against_vllm(tie: bool) -> dict[str, Any]:
     vllm_source = base.ModuleSource(model)
     out["module_names"] = [m.name for m in vllm_source.metadata]
     out["module_full"] = {n: t.clone() for n, t in vllm_source.iter_full()}  # every rank all-gathers
+    # where fsdptk declares a tensor exactly as ModuleSource does (same owners, mesh and placements),
+    # both iter_local yield the same piece on this rank
+    module_local = {n: t.clone() for n, t in vllm_source.iter_local()}
+    module_meta = {m.name: m for m in vllm_source.metadata}
+    same_layout = 0
+    for owners in (1, world):
+        for m in _records_of(model, owners):
+            theirs = module_meta.get(m.name)
+            if theirs is None or (m.owners, m.mesh_shape, m.placements) != (
+                    theirs.owners, theirs.mesh_shape, theirs.placements):
+                continue
+            if m.name in out[f"local{owners}"]:
+                assert torch.equal(out[f"local{owners}"][m.name], module_local[m.name]), m.name
+                same_layout += 1
+    out["same_layout_pieces"] = same_layout
     return out
+
+
+def _records_of(model: Any, owners: int) -> list[Any]:
+    import fsdptk.hf
+
+    return fsdptk.hf.weight_source(model, owners=owners).metadata
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
