@@ -329,6 +329,9 @@ def save_safetensors_async(
     write_config: bool = True,
     conversion: ConversionArg = "auto",
     writers: int | Literal["host"] = 1,
+    quantize: Literal["fp8", "fp8-ue8m0", "mxfp4"] | None = None,
+    block_size: tuple[int, int] = (128, 128),
+    quantize_if: Callable[[str, torch.Tensor], bool] | None = None,
 ) -> PendingSave:
     """Start :func:`fsdptk.save_safetensors` in the background; return once the model is copied.
 
@@ -363,6 +366,11 @@ def save_safetensors_async(
         writers: as :func:`fsdptk.save_safetensors`: several ranks gather and write the files
             in the background, each its own (agreed during the call; the commit waits for every
             writer's fsync).
+        quantize: as :func:`fsdptk.save_safetensors` (``"fp8"``, ``"fp8-ue8m0"``, ``"mxfp4"``):
+            the layout and the ``quantization_config`` are planned during the call, each tensor is
+            quantized in the background on its writer as it is gathered from the snapshot.
+        block_size: as :func:`fsdptk.save_safetensors`.
+        quantize_if: as :func:`fsdptk.save_safetensors` (called during the call).
 
     Returns:
         PendingSave: ``wait()`` returns the index file or ``model.safetensors``.
@@ -391,17 +399,18 @@ def save_safetensors_async(
         'model.safetensors'
     """
     from fsdptk._files.save import plan_save, write_save
-    from fsdptk.conversions import save_layout
+    from fsdptk.conversions import quantized_layout
 
     started = time.monotonic()
     group = _begin()
     agree_arguments("save_safetensors_async", writers=writers, conversion=conversion,
                     max_shard_size=max_shard_size, tied=tied, dtype=dtype, rename=rename, metadata=metadata,
-                    bucket_bytes=bucket_bytes)
-    nodes = run_agreed(lambda: save_layout(model, conversion))
+                    bucket_bytes=bucket_bytes, quantize=quantize, block_size=block_size, quantize_if=quantize_if)
+    layout = run_agreed(lambda: quantized_layout(model, conversion, quantize=quantize, block_size=block_size,
+                                                 quantize_if=quantize_if, dtype=dtype))
     plan = plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
                       rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress,
-                      conversion=nodes, writers=writers)
+                      conversion=layout.nodes, writers=writers, written=layout.written)
 
     def take() -> list[tuple[str, torch.Tensor]]:
         snap = _Snapshot()
@@ -413,7 +422,7 @@ def save_safetensors_async(
     plan = dataclasses.replace(plan, items=items)
 
     def stage() -> Any:
-        return stage_hf_config(model, plan.path, dtype=dtype)
+        return stage_hf_config(model, plan.path, dtype=dtype, quantization_config=layout.quantization_config)
 
     staged = run_agreed(stage, on=write_config and is_rank0())
 

@@ -38,7 +38,7 @@ from fsdptk._files.safetensors_io import (
     parse_size,
 )
 from fsdptk._files.save import plan_save, write_save
-from fsdptk.conversions import ConversionArg, resolve_load, save_layout
+from fsdptk.conversions import ConversionArg, quantized_layout, resolve_load
 from fsdptk.dcp import (
     dcp_to_safetensors,
     load_dcp,
@@ -293,6 +293,9 @@ def save_safetensors(
     write_config: bool = True,
     conversion: ConversionArg = "auto",
     writers: int | Literal["host"] = 1,
+    quantize: Literal["fp8", "fp8-ue8m0", "mxfp4"] | None = None,
+    block_size: tuple[int, int] = (128, 128),
+    quantize_if: Callable[[str, torch.Tensor], bool] | None = None,
 ) -> Path:
     """Save a (sharded) model as a Hugging Face safetensors checkpoint directory, streaming.
 
@@ -346,19 +349,42 @@ def save_safetensors(
             writer needs the directory (a file system all writers share). Rank 0 coordinates:
             the lock, the free-space check, and the commit, which renames nothing until every
             writer has fsync-ed its files; a failing writer makes every rank raise its error.
+        quantize: write a quantized release (docs/layouts.md, "Writing quantized releases"):
+            ``"fp8"``: e4m3 weights with a float32 ``weight_scale_inv`` per ``block_size`` block
+            (the grid rounded up where a dim is not a multiple), bit for bit what vLLM's
+            ``per_block_cast_to_fp8`` makes of the tensor in the file's dtype; ``"fp8-ue8m0"``:
+            the same with scales rounded up to powers of two (DeepSeek-V3.1's, stored as float32);
+            ``"mxfp4"``: gpt-oss's experts as ``_blocks`` / ``_scales``. By default the linear
+            weights of the decoder layers are quantized (the 2-D ``weight`` of every ``nn.Linear``
+            under ``layers.<i>`` and the experts' weights there); embeddings, the head, norms,
+            biases and MoE routers stay in the model's (or ``dtype``'s) dtype. Each tensor is
+            quantized on its writer as it is gathered (memory as an unquantized save, plus one
+            tensor's float32 copy). ``config.json`` gets the release's ``quantization_config``
+            (``quant_method``, ``fmt``, ``activation_scheme: "dynamic"``, ``weight_block_size``,
+            ``modules_to_not_convert``, ``scale_fmt: "ue8m0"``; for ``"mxfp4"``: ``quant_method``
+            and ``modules_to_not_convert``). ``None`` (default): unquantized.
+        block_size: FP8's block, ``(rows, columns)`` of the last two dims per scale (default
+            ``(128, 128)``, the releases'); ignored by ``"mxfp4"`` (groups of 32).
+        quantize_if: ``(name, tensor) -> bool`` choosing the tensors to quantize instead of the
+            default rule: called on every rank, before any tensor moves, for each floating tensor
+            of the checkpoint layout, with its checkpoint name (the Hub's, before ``rename``) and a
+            ``meta`` tensor of its shape and written dtype; it must give every rank the same answer.
 
     Returns:
         Path: the index file, or the single ``model.safetensors`` (on every rank).
 
     Raises:
         ValueError: the ranks passed different ``writers``, ``conversion``, ``max_shard_size``,
-            ``tied``, ``dtype``, ``rename``, ``metadata`` or ``bucket_bytes`` (names each and every
-            rank's value, before any file is opened); bad ``tied`` / ``max_shard_size`` /
+            ``tied``, ``dtype``, ``rename``, ``metadata``, ``bucket_bytes``, ``quantize``,
+            ``block_size`` or ``quantize_if`` (names each and every rank's value, before any file is
+            opened); ``quantize`` not one of the formats, ``block_size`` not two positive ints,
+            ``quantize_if`` choosing a tensor the format cannot take, ``"mxfp4"`` of a model without
+            gpt-oss experts (each names the argument and value); bad ``tied`` / ``max_shard_size`` /
             ``bucket_bytes``, ``writers`` below 1 or above the world size, a rename collision, or
             (``write_config``) transformers' save-time validation refuses the model's config; every
             rank, before any tensor moves.
         TypeError: ``dtype`` is not a floating ``torch.dtype``; ``writers`` is neither an int nor
-            ``"host"``.
+            ``"host"``; ``quantize_if`` is not callable or returns something other than a bool.
         OSError: the directory cannot be created or written, or has too little free space, or a
             writer's write or fsync fails (a full disk, the file-size limit); raised on every rank
             (naming the failing writer's rank), with no file of the new checkpoint left behind.
@@ -376,16 +402,23 @@ def save_safetensors(
         ['bias', 'weight']
         >>> save_safetensors(torch.nn.Linear(4, 2), d, writers="host").name  # one writer per host
         'model.safetensors'
+        >>> layers = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.Linear(64, 32)])})
+        >>> _ = save_safetensors(layers, d, quantize="fp8", block_size=(16, 16))  # an FP8 release
+        >>> {k: v.dtype for k, v in sorted(load_file(f"{d}/model.safetensors").items())}
+        {'layers.0.bias': torch.float32, 'layers.0.weight': torch.float8_e4m3fn, 'layers.0.weight_scale_inv': torch.float32}
     """
     wait_for_pending()
     agree_arguments("save_safetensors", writers=writers, conversion=conversion, max_shard_size=max_shard_size,
-                    tied=tied, dtype=dtype, rename=rename, metadata=metadata, bucket_bytes=bucket_bytes)
-    nodes = run_agreed(lambda: save_layout(model, conversion))
+                    tied=tied, dtype=dtype, rename=rename, metadata=metadata, bucket_bytes=bucket_bytes,
+                    quantize=quantize, block_size=block_size, quantize_if=quantize_if)
+    layout = run_agreed(lambda: quantized_layout(model, conversion, quantize=quantize, block_size=block_size,
+                                                 quantize_if=quantize_if, dtype=dtype))
     plan = plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
                       rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress,
-                      conversion=nodes, writers=writers)
+                      conversion=layout.nodes, writers=writers, written=layout.written)
 
     def stage_config() -> Any:
-        return stage_hf_config(model, plan.path, dtype=dtype) if write_config else None
+        return stage_hf_config(model, plan.path, dtype=dtype,
+                               quantization_config=layout.quantization_config) if write_config else None
 
     return write_save(plan, stage_config)

@@ -12,7 +12,7 @@ import copy
 import os
 import shutil
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -123,7 +123,8 @@ def stage_files(directory: PathLike, write: Callable[[Path], None]) -> StagedCon
     return StagedConfig(directory, stage)
 
 
-def _write_hf_config(model: nn.Module, config: Any, stage: Path, dtype: torch.dtype | None) -> None:
+def _write_hf_config(model: nn.Module, config: Any, stage: Path, dtype: torch.dtype | None,
+                     quantization_config: Mapping[str, Any] | None = None) -> None:
     """Write ``config.json`` (and ``generation_config.json``) of ``model`` into ``stage``."""
     config = copy.deepcopy(config)
     dtype = dtype or _model_dtype(model)
@@ -136,6 +137,8 @@ def _write_hf_config(model: nn.Module, config: Any, stage: Path, dtype: torch.dt
         # a quantized release loaded dequantized (fsdptk reads FP8 / MXFP4 into the model's
         # dtype): the weights written are unquantized, so the config must not say otherwise
         del config.quantization_config
+    if quantization_config is not None:  # a quantized save: the release's own config
+        config.quantization_config = dict(quantization_config)
     if hasattr(config, "save_pretrained"):
         config.save_pretrained(stage)
     else:
@@ -146,8 +149,8 @@ def _write_hf_config(model: nn.Module, config: Any, stage: Path, dtype: torch.dt
         gen.save_pretrained(stage)
 
 
-def stage_hf_config(model: nn.Module, directory: PathLike, *, dtype: torch.dtype | None = None
-                    ) -> StagedConfig | None:
+def stage_hf_config(model: nn.Module, directory: PathLike, *, dtype: torch.dtype | None = None,
+                    quantization_config: Mapping[str, Any] | None = None) -> StagedConfig | None:
     """Write the model's HF config files to a hidden directory inside ``directory``.
 
     The files are what ``save_pretrained`` writes, from a copy of the config (the model's own is not
@@ -160,6 +163,8 @@ def stage_hf_config(model: nn.Module, directory: PathLike, *, dtype: torch.dtype
         model: the model (sharded or not).
         directory: the checkpoint directory (created if needed).
         dtype: the floating dtype of the saved weights (default: the model's).
+        quantization_config: the ``quantization_config`` of a quantized save (written into
+            ``config.json`` in place of any the model's config carries), or ``None``.
 
     Returns:
         StagedConfig | None: the staged files, ``None`` when the model carries no HF config.
@@ -171,4 +176,4 @@ def stage_hf_config(model: nn.Module, directory: PathLike, *, dtype: torch.dtype
     config = hf_config(model)
     if config is None:
         return None
-    return stage_files(directory, lambda stage: _write_hf_config(model, config, stage, dtype))
+    return stage_files(directory, lambda stage: _write_hf_config(model, config, stage, dtype, quantization_config))

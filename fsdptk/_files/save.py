@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Generator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -58,20 +58,27 @@ def save_items(model: nn.Module, tied: str, rename: Rename, dtype: torch.dtype |
 
 def stream_to_writer(buckets: Generator[list[tuple[str, torch.Tensor]], None, None], writer: ShardFiles | None,
                      out_name: dict[str, str], dtypes: dict[str, torch.dtype], bar: Any,
-                     split: Unconverter | None = None) -> None:
+                     split: Unconverter | None = None, written: Mapping[str, torch.dtype] | None = None) -> None:
     """Write every gathered tensor this rank receives (a writer's). A write error is thrown into
     ``buckets`` (the engine's ``collect``): its next status agreement raises it on every rank at
     once. ``split`` turns each gathered model tensor into the checkpoint's tensors (a conversion's
-    inverse: the Hub layout); ``out_name`` then maps checkpoint keys to file keys."""
+    inverse: the Hub layout); ``out_name`` then maps checkpoint keys to file keys. ``written``:
+    checkpoint keys ``split`` makes in their final dtype (a quantized save's weights and scales,
+    quantized from the model tensor cast to its dtype in the file), written as they are."""
+    written = written or {}
     with bar:
         for bucket in buckets:
             for key, full in bucket:  # a writer's own items; the other ranks get empty buckets
                 if writer is not None:
                     try:
-                        pieces = split.feed(key, full) if split is not None else [(key, full)]
+                        if split is None:
+                            pieces = [(key, full)]
+                        else:
+                            pieces = split.feed(key, full.to(dtypes[key]) if written else full)
                         for name, piece in pieces:
                             if name in out_name:
-                                bar.update(writer.write(out_name[name], piece.to(dtypes[key]).contiguous()))
+                                piece = piece if name in written else piece.to(dtypes[key])
+                                bar.update(writer.write(out_name[name], piece.contiguous()))
                         del pieces
                     except Exception as e:  # noqa: BLE001 - agreed by the engine, raised here
                         buckets.throw(e)
@@ -100,12 +107,14 @@ class SavePlan:
     prefix: str = "model"  # file names: <prefix>.safetensors, or shards and <prefix>.safetensors.index.json
     split: Unconverter | None = None  # model tensors -> checkpoint tensors (a conversion's inverse)
     writers: tuple[int, ...] = (0,)  # the ranks that write files (rank 0 first: it coordinates)
+    written: Mapping[str, torch.dtype] = field(default_factory=dict)  # checkpoint keys in their own dtype (quantized)
 
 
 def plan_save(model: nn.Module, path: PathLike, *, max_shard_size: int | str, tied: str,
                dtype: torch.dtype | None, rename: Rename, metadata: Mapping[str, str] | None,
                bucket_bytes: int | None, progress: bool | None,
-               conversion: Mapping[str, Node] | None = None, writers: int | str = 1) -> SavePlan:
+               conversion: Mapping[str, Node] | None = None, writers: int | str = 1,
+               written: Mapping[str, torch.dtype] | None = None) -> SavePlan:
     """The front half of :func:`fsdptk.save_safetensors`: arguments checked, items and file layout
     planned. ``conversion`` (model key -> node over the checkpoint's layout) writes each model
     tensor as the checkpoint tensors its node reads (the Hub layout); ``rename`` then applies to
@@ -113,7 +122,10 @@ def plan_save(model: nn.Module, path: PathLike, *, max_shard_size: int | str, ti
     (collective when above 1). The caller agrees every argument across ranks first
     (:func:`fsdptk._core.arguments.agree_arguments`: the same ``writers``, ``max_shard_size``,
     ``tied``, ``dtype``, ``rename``, ``metadata`` and ``bucket_bytes`` on every rank), so the
-    checks here raise the same error on every rank and ``writers=1`` needs no exchange."""
+    checks here raise the same error on every rank and ``writers=1`` needs no exchange.
+    ``written``: checkpoint keys of ``conversion``'s layout written in their own dtype, not
+    ``dtype`` (a quantized save's weights and scales)."""
+    written = dict(written or {})
     path = Path(path)
     ranks = writer_ranks(writers) if writers != 1 else [0]
     limit = parse_size(max_shard_size)
@@ -128,7 +140,7 @@ def plan_save(model: nn.Module, path: PathLike, *, max_shard_size: int | str, ti
         for k, _t in items:
             node = conversion[k]
             for leaf, box in node.leaves(full_box(node.shape)):
-                pieces.setdefault(leaf, (dtypes[k], box_shape(box)))
+                pieces.setdefault(leaf, (written.get(leaf, dtypes[k]), box_shape(box)))
         out_name = {old: new for new, old in rename_keys(list(pieces), rename, what="checkpoint key").items()}
         entries = [(out_name[k], d, s) for k, (d, s) in pieces.items() if k in out_name]
         split = Unconverter(conversion)
@@ -136,7 +148,7 @@ def plan_save(model: nn.Module, path: PathLike, *, max_shard_size: int | str, ti
     files = plan_shards(entries, limit)  # validates dtypes on every rank
     return SavePlan(path=path, items=items, out_name=out_name, dtypes=dtypes, entries=entries, files=files,
                      limit=limit, metadata=metadata, bucket_bytes=nbytes, progress=progress, split=split,
-                     writers=tuple(ranks))
+                     writers=tuple(ranks), written=written)
 
 
 def _item_files(plan: SavePlan) -> list[list[int]]:
@@ -201,7 +213,7 @@ def write_save(plan: SavePlan, stage_config: Callable[[], Any]) -> Path:
                 return out
         buckets = cast(Generator[list[tuple[str, torch.Tensor]], None, None],  # collect/distribute are generators (annotated Iterator in the engine)
                        _engine.collect(items, bucket_bytes=plan.bucket_bytes, dest=dest))
-        stream_to_writer(buckets, writer, plan.out_name, plan.dtypes, bar, plan.split)
+        stream_to_writer(buckets, writer, plan.out_name, plan.dtypes, bar, plan.split, plan.written)
         run_agreed(lambda: writer.seal() if writer is not None else None)  # every writer's files durable, or no commit
         result = run_agreed(coordinator.commit if coordinator is not None else lambda: None)
     except BaseException:  # failed on every rank (agreed): leave nothing behind

@@ -16,8 +16,10 @@ Two formats the open-model releases use:
 The math is the reference one (transformers' ``Fp8Dequantize._dequantize_one`` and
 ``convert_moe_packed_tensors``): the values to float32, times their block's scale, in float32; the
 engine then casts to the model's dtype. A box reads only the quantized bytes it covers and the scale
-blocks it intersects. The inverse (a save) writes the dequantized tensor: the checkpoint a load of a
-quantized release saves is unquantized (``split`` yields the model tensor under the weight's key).
+blocks it intersects. The inverse (``split``, a save's) quantizes the full tensor back into the same
+layout (:mod:`fsdptk._engine.sources.quantize`: vLLM's ``per_block_cast_to_fp8`` for FP8, gpt-oss's
+MXFP4): the trees of a quantized save have these leaves. A load of a quantized release saves
+unquantized, through plain leaves (its save layout has no scales).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 
 from fsdptk._engine.layouts import Box
 from fsdptk._engine.sources.convert import ConversionProblem, Node, box_indices
+from fsdptk._engine.sources.quantize import fp8_block_quantize, mxfp4_quantize
 
 __all__ = ["FP8Blocks", "MXFP4Blocks", "FP4_VALUES", "scale_grid", "block_size_problem"]
 
@@ -70,6 +73,14 @@ def _scales_f32(s: torch.Tensor) -> torch.Tensor:
     return s.to(torch.float32)
 
 
+def _scales_as(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 scales stored as ``dtype`` (the inverse of :func:`_scales_f32`; uint8: the exponent
+    byte of a power of two)."""
+    if dtype == torch.uint8:
+        return (torch.log2(s).round() + 127.0).clamp(0, 255).to(torch.uint8)
+    return s.to(dtype)
+
+
 @dataclass(eq=False)
 class FP8Blocks(Node):
     """An FP8 weight dequantized with its per-block scales (``weight_scale_inv``).
@@ -78,11 +89,14 @@ class FP8Blocks(Node):
         weight: the quantized weight's node (a leaf in a float8 dtype).
         scale: the scales' node (``scale_grid(weight.shape, block)``).
         block: ``(block_m, block_n)`` over the last two dims.
+        ue8m0: a save rounds the scales up to powers of two (``scale_fmt: "ue8m0"``); a read
+            takes the scales as they are stored either way.
     """
 
     weight: Node
     scale: Node
     block: tuple[int, int]
+    ue8m0: bool = False
 
     def __post_init__(self) -> None:
         wkey, skey = self.weight.files()[0], self.scale.files()[0]
@@ -142,8 +156,10 @@ class FP8Blocks(Node):
         yield from self.scale.leaves(self._scale_box(box)[0])
 
     def split(self, full: torch.Tensor) -> Iterator[tuple[Any, torch.Tensor]]:
-        # the save writes the dequantized tensor under the weight's key (no scales)
-        yield self.weight.files()[0], full
+        # the inverse of read: the full tensor quantized, the weight's and the scales' tensors
+        q, s = fp8_block_quantize(full, self.block, ue8m0=self.ue8m0)
+        yield from self.weight.split(q.to(self.weight.dtype))
+        yield from self.scale.split(_scales_as(s, self.scale.dtype))
 
 
 @dataclass(eq=False)
@@ -152,7 +168,7 @@ class MXFP4Blocks(Node):
 
     ``blocks`` is ``[*lead, rows, groups, 16]`` (uint8, two e2m1 values per byte, low nibble
     first), ``scales`` ``[*lead, rows, groups]`` (uint8 e8m0 exponents); the model's tensor is
-    ``[*lead, groups * 32, rows]``. ``key`` is the name the dequantized tensor is saved under.
+    ``[*lead, groups * 32, rows]``. ``key`` is the weight's name (``<w>``, the key it is read under).
     """
 
     blocks: Node
@@ -197,4 +213,7 @@ class MXFP4Blocks(Node):
         yield from self.scales.leaves(sbox)
 
     def split(self, full: torch.Tensor) -> Iterator[tuple[Any, torch.Tensor]]:
-        yield self.key, full
+        # the inverse of read: the full tensor quantized into gpt-oss's blocks and scales
+        blocks, scales = mxfp4_quantize(full)
+        yield from self.blocks.split(blocks)
+        yield from self.scales.split(scales)

@@ -1,0 +1,365 @@
+"""Quantized on the way out (issue 42): FP8 block and MXFP4 releases written by ``save_safetensors``.
+
+- The quantizers (``fsdptk._engine.sources.quantize``) as the inverse of the dequantizing leaves:
+  dequantize(quantize(x)) within the format's bound, quantize(dequantize(q)) == q bit for bit for
+  every valid q (hypothesis); the e2m1 rounding against its definition on every value.
+- Exactness against the libraries that serve these files: FP8 bytes and scales equal vLLM's own
+  ``per_block_cast_to_fp8`` bit for bit (float32 and ue8m0 scales; skipped unless vLLM imports:
+  ``bash scripts/test_vllm.sh tests/test_quantize_out.py``), and without vLLM equal a transcription
+  of its arithmetic written here; vLLM's ``Fp8Config`` / ``Mxfp4Config.from_config`` accept the
+  ``quantization_config`` a save writes.
+- Releases written at 2 ranks (FSDP) with 1 writer and with 2: a tiny Llama and a tiny Qwen3-MoE in
+  FP8 (float32 and ue8m0 scales) read by transformers' dequantizing ``from_pretrained`` and by
+  fsdptk's ``from_pretrained``: both hold exactly the reference dequantization
+  (``q.float() * scale`` expanded per block) and give the same logits; grids rounded up (dims not
+  a multiple of the block) judged by fsdptk's load and the reference; the MXFP4 export of a tiny
+  gpt-oss read by transformers equals fsdptk's read of it.
+- A train -> FP8 save -> fsdptk load round trip, and bad arguments refused on every rank before
+  any file is opened.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+
+from fsdptk._engine.layouts import full_box
+from fsdptk._engine.sources.convert import Leaf
+from fsdptk._engine.sources.quant import FP4_VALUES, FP8Blocks, MXFP4Blocks
+from fsdptk._engine.sources.quantize import e2m1_codes, fp8_block_quantize, mxfp4_quantize
+
+from _counting import raised  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+
+
+# ---------------------------------------------------------------------------------------------
+# references written here
+def reference_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``q.float() * scale`` with each scale expanded over its block (the grid cut to the weight)."""
+    s = scale.float().repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)
+    return q.float() * s[..., :q.shape[-2], :q.shape[-1]]
+
+
+def vllm_arithmetic(x: torch.Tensor, block: tuple[int, int], ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM 0.33's ``per_block_cast_to_fp8`` (``vllm/utils/deep_gemm.py``) transcribed step by step
+    for a 2-D tensor: zero-padded to whole blocks, amax clamped at 1e-4, ``amax / 448``, ue8m0:
+    ``2 ** ceil(log2(s))``, ``(x * (1 / s)).to(e4m3)``."""
+    m, n = x.shape
+    bm, bn = block
+    padded = torch.zeros((-(-m // bm) * bm, -(-n // bn) * bn), dtype=x.dtype)
+    padded[:m, :n] = x
+    view = padded.view(-1, bm, padded.size(1) // bn, bn)
+    amax = view.abs().float().amax(dim=(1, 3), keepdim=True).clamp(1e-4)
+    sf = amax / 448.0
+    if ue8m0:
+        sf = torch.pow(2.0, torch.ceil(torch.log2(sf.abs())))
+    q = (view * (1.0 / sf)).to(E4M3)
+    return q.view_as(padded)[:m, :n].contiguous(), sf.view(view.size(0), view.size(2))
+
+
+class _Dict:
+    """The engine's source protocol over a dict (what the dequantizing leaves read)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def read(self, key: str, box=None) -> torch.Tensor:
+        t = self.tensors[key]
+        return t if box is None else t[box]
+
+
+def fsdptk_fp8_read(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    node = FP8Blocks(Leaf("w", tuple(q.shape), q.dtype), Leaf("s", tuple(scale.shape), scale.dtype), block)
+    return node.read(_Dict({"w": q, "s": scale}), full_box(q.shape))
+
+
+def fsdptk_mxfp4_read(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    node = MXFP4Blocks(Leaf("b", tuple(blocks.shape), torch.uint8), Leaf("s", tuple(scales.shape), torch.uint8), "w")
+    return node.read(_Dict({"b": blocks, "s": scales}), full_box(node.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# strategies
+@st.composite
+def weights(draw, *, lead: bool = True):
+    """A floating weight (float32 or bfloat16), rows and columns often not multiples of the block,
+    values over many magnitudes (whole blocks of zeros and of tiny values included), and a block."""
+    block = (draw(st.sampled_from([1, 4, 16, 32])), draw(st.sampled_from([1, 8, 32])))
+    shape = ((draw(st.integers(1, 3)),) if lead and draw(st.booleans()) else ()) + (
+        draw(st.integers(1, 70)), draw(st.integers(1, 70)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-30, 12, shape, generator=g).float())
+    x[..., : draw(st.integers(0, 5)), :] = 0.0
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
+    return x.to(dtype), block
+
+
+_E4M3_FINITE = torch.arange(256, dtype=torch.uint8).view(E4M3)
+_E4M3_FINITE = _E4M3_FINITE[~_E4M3_FINITE.float().isnan()]
+
+
+@st.composite
+def valid_fp8(draw):
+    """A valid quantized weight: every block's largest magnitude is 448 (float32 scales) or one of
+    the e4m3 values in (224, 448] (ue8m0: a power-of-two scale), scales with at most 16 significant
+    bits (``q * s`` exact in float32) or powers of two, large enough that no amax is clamped."""
+    ue8m0 = draw(st.booleans())
+    bm, bn = draw(st.sampled_from([1, 2, 16])), draw(st.sampled_from([1, 4, 16]))
+    m, n = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    gm, gn = -(-m // bm), -(-n // bn)
+    exps = torch.randint(-20, 20, (gm, gn), generator=g).float()
+    if ue8m0:
+        scale = torch.exp2(exps)
+        tops = torch.tensor([240.0, 256, 288, 320, 352, 384, 416, 448])[torch.randint(8, (gm, gn), generator=g)]
+    else:
+        scale = torch.randint(2**15, 2**16, (gm, gn), generator=g).float() * torch.exp2(exps - 16)
+        tops = torch.full((gm, gn), 448.0)
+    expand = lambda t: t.repeat_interleave(bm, 0).repeat_interleave(bn, 1)[:m, :n]  # noqa: E731
+    v = _E4M3_FINITE[torch.randint(len(_E4M3_FINITE), (m, n), generator=g)].float()
+    v = v.sign() * torch.minimum(v.abs(), expand(tops))  # e4m3 values at most the block's top
+    for i in range(gm):  # one value of magnitude top per block
+        r = i * bm + int(torch.randint(min(bm, m - i * bm), (1,), generator=g))
+        for j in range(gn):
+            c = j * bn + int(torch.randint(min(bn, n - j * bn), (1,), generator=g))
+            v[r, c] = tops[i, j] * (1 if torch.rand(1, generator=g) < 0.5 else -1)
+    return v.to(E4M3), scale, (bm, bn), ue8m0
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8: the quantizer and the reader are each other's inverse
+@settings(max_examples=60, deadline=None)
+@given(weights(), st.booleans())
+def test_fp8_dequantize_of_quantize_is_within_e4m3_bound(case, ue8m0):
+    """|x - deq(q(x))| <= 2^-4 |x| (half an e4m3 ulp: 3 mantissa bits) + 2^-10 s (half the least
+    subnormal step of a block of scale s) + 2^-20 |x| (float32 products), element by element; the
+    reader (FP8Blocks.read) equals the reference dequantization exactly."""
+    x, block = case
+    q, s = fp8_block_quantize(x, block, ue8m0=ue8m0)
+    assert q.dtype == E4M3 and s.dtype == torch.float32 and q.shape == x.shape
+    assert tuple(s.shape) == (*x.shape[:-2], -(-x.shape[-2] // block[0]), -(-x.shape[-1] // block[1]))
+    back = fsdptk_fp8_read(q, s, block)
+    assert torch.equal(back, reference_dequantize(q, s, block))
+    xs = x.float()
+    s_full = s.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., :x.shape[-2], :x.shape[-1]]
+    bound = 2**-4 * xs.abs() + 2**-10 * s_full + 2**-20 * xs.abs()
+    assert bool(((back - xs).abs() <= bound).all()), float(((back - xs).abs() - bound).max())
+    if ue8m0:
+        assert torch.equal(s, torch.exp2(torch.log2(s).round()))  # powers of two
+
+
+@settings(max_examples=60, deadline=None)
+@given(valid_fp8())
+def test_fp8_quantize_of_dequantize_is_the_identity_on_valid_releases(case):
+    q, s, block, ue8m0 = case
+    w = reference_dequantize(q, s, block)
+    assert torch.equal(fsdptk_fp8_read(q, s, block), w)
+    q2, s2 = fp8_block_quantize(w, block, ue8m0=ue8m0)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(s2.view(torch.int32), s.view(torch.int32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(weights(lead=False), st.booleans())
+def test_fp8_bytes_equal_vllms_arithmetic(case, ue8m0):
+    """Bit for bit against vLLM's ``per_block_cast_to_fp8`` as transcribed here (runs without
+    vLLM; the test below compares against vLLM itself)."""
+    x, block = case
+    q, s = fp8_block_quantize(x, block, ue8m0=ue8m0)
+    q_ref, s_ref = vllm_arithmetic(x, block, ue8m0)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32))
+
+
+def test_fp8_split_is_the_inverse_of_the_read():
+    """FP8Blocks.split (a save's inverse) writes the weight and scales a read gives back; ue8m0 and
+    uint8-exponent scale leaves take the scales' own dtype."""
+    x = torch.randn(40, 72) * 3
+    for scale_dtype, ue8m0 in ((torch.float32, False), (torch.float32, True), (torch.uint8, True)):
+        node = FP8Blocks(Leaf("w.weight", (40, 72), E4M3), Leaf("w.weight_scale_inv", (2, 3), scale_dtype),
+                         (32, 32), ue8m0=ue8m0)
+        out = dict(node.split(x))
+        assert list(out) == ["w.weight", "w.weight_scale_inv"] and out["w.weight_scale_inv"].dtype == scale_dtype
+        q, s = fp8_block_quantize(x, (32, 32), ue8m0=ue8m0)
+        assert torch.equal(out["w.weight"].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(node.read(_Dict(out), full_box((40, 72))), reference_dequantize(q, s, (32, 32)))
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4
+def test_e2m1_rounding_is_nearest_with_ties_away_from_zero_on_every_value():
+    """Every multiple of 1/64 in [-8, 8] (all midpoints included) against the definition."""
+    v = torch.arange(-512, 513, dtype=torch.float32) / 64
+    grid = torch.tensor(FP4_VALUES[:8])
+    mag = v.abs().clamp(max=6.0)
+    dist = (mag.unsqueeze(-1) - grid).abs()
+    best = dist.min(-1, keepdim=True).values
+    # among the nearest, the larger magnitude (ties away from zero)
+    want = torch.where(dist == best, torch.arange(8), -1).max(-1).values.to(torch.uint8)
+    want = want | (torch.signbit(v).to(torch.uint8) << 3)
+    assert torch.equal(e2m1_codes(v), want)
+    assert e2m1_codes(torch.tensor([-0.0, 0.0])).tolist() == [8, 0]
+
+
+@st.composite
+def experts(draw):
+    e, groups, rows = draw(st.integers(1, 3)), draw(st.integers(1, 3)), draw(st.integers(1, 9))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    shape = (e, 32 * groups, rows)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-20, 20, shape, generator=g).float())
+    x[:, :32, 0] = 0.0  # a group of zeros
+    return x.to(draw(st.sampled_from([torch.float32, torch.bfloat16])))
+
+
+@settings(max_examples=50, deadline=None)
+@given(experts())
+def test_mxfp4_dequantize_of_quantize_is_within_e2m1_bound(x):
+    """|x - deq(q(x))| <= max(s / 4, |x| / 4): half the e2m1 step around the value (0.5 below 2,
+    1 in [2, 4), 2 in [4, 6]) times the group's scale s (the scale is at least amax / 6, so
+    nothing saturates)."""
+    blocks, scales = mxfp4_quantize(x)
+    e, cols, rows = x.shape
+    assert blocks.shape == (e, rows, cols // 32, 16) and scales.shape == (e, rows, cols // 32)
+    back = fsdptk_mxfp4_read(blocks, scales)
+    s = torch.exp2(scales.float() - 127).repeat_interleave(32, -1).transpose(-1, -2)  # [e, cols, rows]
+    xs = x.float()
+    bound = torch.maximum(s / 4, xs.abs() / 4) * (1 + 2**-20)
+    assert bool(((back - xs).abs() <= bound).all())
+    assert bool((scales[:, 0, 0] == 0).all())  # zero groups: scale byte 0
+
+
+@st.composite
+def valid_mxfp4(draw):
+    """Valid gpt-oss blocks: each group's largest magnitude is 4 or 6 (scale bytes 1-252), or the
+    group is zeros (+0 / -0) with scale byte 0."""
+    e, groups, rows = draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 6))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    codes = torch.randint(16, (e, rows, groups, 32), generator=g, dtype=torch.uint8)
+    mags = codes & 7
+    top = torch.where(torch.rand(e, rows, groups, generator=g) < 0.5, 6, 7).to(torch.uint8)  # 4.0 or 6.0
+    codes = torch.where(mags > top.unsqueeze(-1), (codes & 8) | top.unsqueeze(-1), codes)
+    codes[..., 0] = (codes[..., 0] & 8) | top
+    scales = torch.randint(1, 253, (e, rows, groups), generator=g).to(torch.uint8)
+    zero = torch.rand(e, rows, groups, generator=g) < 0.2
+    codes = torch.where(zero.unsqueeze(-1), codes & 8, codes)
+    scales = torch.where(zero, torch.zeros_like(scales), scales)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return blocks.contiguous(), scales.contiguous()
+
+
+@settings(max_examples=60, deadline=None)
+@given(valid_mxfp4())
+def test_mxfp4_quantize_of_dequantize_is_the_identity_on_valid_releases(case):
+    blocks, scales = case
+    w = fsdptk_mxfp4_read(blocks, scales)
+    b2, s2 = mxfp4_quantize(w)
+    assert torch.equal(s2, scales)
+    assert torch.equal(b2, blocks)
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM itself (skipped unless it imports: scripts/test_vllm.sh)
+@settings(max_examples=30, deadline=None)
+@given(weights(lead=False), st.booleans())
+def test_fp8_bytes_and_scales_equal_vllm_bit_for_bit(case, ue8m0):
+    deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
+    x, block = case
+    q_ref, s_ref = deep_gemm.per_block_cast_to_fp8(x, list(block), use_ue8m0=ue8m0)
+    q, s = fp8_block_quantize(x, block, ue8m0=ue8m0)
+    assert q_ref.dtype == q.dtype and s_ref.dtype == s.dtype
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(s.view(torch.int32), s_ref.view(torch.int32))
+
+
+class _Layers(torch.nn.Module):
+    """Decoder-like: an embedding, two layers of a Linear and a norm, a head (no transformers)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 96)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.ModuleDict({"proj": torch.nn.Linear(96, 200), "norm": torch.nn.LayerNorm(200),
+                                 "gate": torch.nn.Linear(96, 4, bias=False)}) for _ in range(2))
+        self.head = torch.nn.Linear(96, 16, bias=False)
+
+
+@pytest.mark.parametrize("quantize", ["fp8", "fp8-ue8m0"])
+def test_saved_file_equals_vllm_and_its_config_is_accepted(tmp_path, quantize):
+    """A save's bytes equal vLLM's cast of each weight (the dim 200 is not a multiple of 128), and
+    vLLM's Fp8Config reads the quantization_config it writes: the block, the unquantized modules
+    skipped, the quantized ones not."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from fsdptk import save_safetensors
+    from fsdptk.conversions import quantized_layout
+
+    torch.manual_seed(0)
+    model = _Layers().to(torch.bfloat16)
+    save_safetensors(model, tmp_path, quantize=quantize)
+    files = load_file(tmp_path / "model.safetensors")
+    for i in range(2):
+        w = model.layers[i].proj.weight.detach()
+        q, s = per_block_cast_to_fp8(w, [128, 128], use_ue8m0=quantize == "fp8-ue8m0")
+        assert torch.equal(files[f"layers.{i}.proj.weight"].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(files[f"layers.{i}.proj.weight_scale_inv"], s)
+        assert files[f"layers.{i}.gate.weight"].dtype == torch.bfloat16  # a router stays
+    config = quantized_layout(model, "auto", quantize=quantize).quantization_config
+    parsed = Fp8Config.from_config(config)
+    assert parsed.weight_block_size == [128, 128] and parsed.activation_scheme == "dynamic"
+    assert is_layer_skipped("head", parsed.ignored_layers) and is_layer_skipped("layers.0.gate", parsed.ignored_layers)
+    assert not is_layer_skipped("layers.0.proj", parsed.ignored_layers)
+
+
+def test_mxfp4_config_is_accepted_by_vllm():
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.quantization.mxfp4 import Mxfp4Config
+
+    from fsdptk._plans.quant_save import QuantFormat
+
+    config = QuantFormat("mxfp4").config(["model.layers.0.self_attn", "lm_head"])
+    assert Mxfp4Config.from_config(config).get_name() == "mxfp4"
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input: one error on every rank, before any file is opened
+def _bad_saves(root: str) -> list[tuple[str, str]]:
+    from fsdptk import save_safetensors
+
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    model = _Layers()
+    cases = [dict(quantize="int8"), dict(quantize="fp8", block_size=(128, 0)),
+             dict(quantize="fp8", block_size=128), dict(quantize="fp8", quantize_if="layers"),
+             dict(quantize="mxfp4"), dict(quantize="fp8" if rank == 0 else None),
+             dict(quantize="fp8", quantize_if=_choose_a_norm)]
+    return [raised(lambda kw=kw, i=i: save_safetensors(model, f"{root}/{i}", **kw)) for i, kw in enumerate(cases)]
+
+
+def _choose_a_norm(name: str, tensor: torch.Tensor) -> bool:
+    return name == "layers.0.norm.weight"
+
+
+def test_bad_arguments_are_one_error_on_every_rank_before_any_file(world, tmp_path):
+    per_rank = world(2).run(_bad_saves, str(tmp_path))
+    want = [("ValueError", ["quantize must be None, 'fp8', 'fp8-ue8m0' or 'mxfp4'", "'int8'"]),
+            ("ValueError", ["block_size", "[128, 0]"]),
+            ("ValueError", ["block_size", "128"]),
+            ("TypeError", ["quantize_if", "'layers'"]),
+            ("ValueError", ["quantize='mxfp4'", "gpt-oss", "_Layers has none"]),
+            ("ValueError", ["disagree on quantize", "rank 0 passed 'fp8'", "rank 1 passed None"]),
+            ("ValueError", ["quantize_if chose 'layers.0.norm.weight'", "[200]"])]
+    for results in per_rank:  # the same error on every rank (the others name the rank that failed)
+        assert len(results) == len(want)
+        for (kind, message), (want_kind, needles) in zip(results, want):
+            assert kind == want_kind, (kind, message)
+            for n in needles:
+                assert n in message, (n, message)
+    assert not list(tmp_path.iterdir())  # no directory created, no file opened
