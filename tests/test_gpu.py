@@ -345,3 +345,156 @@ def test_cuda_peak_memory_of_a_rank0_load_is_shards_plus_one_bucket(gpu_world) -
     table = [(r, out["peak"], out["shard_bytes"]) for r, out in enumerate(res)]
     for r, peak, shards in table[1:]:
         assert peak <= shards + bucket, f"rank {r}: CUDA peak {peak} > shards {shards} + bucket {bucket}; {table}"
+
+
+# ---------------------------------------------------------------------------------------------
+# point-to-point order on NCCL (docs/architecture.md, "Point-to-point order"): ranks that both send
+# and receive in one bucket, with every message larger than NCCL's buffers (4 MiB by default), must
+# not block each other. Without one batch per bucket, two ranks that each post "send to the other"
+# first hang here (the test then fails at its timeout).
+
+_LARGE = (4096, 4096)  # fp32: 64 MiB per tensor, at least 16 MiB per shard at 4 ranks
+_P2P_TIMEOUT = 240
+
+
+def _nccl_worlds() -> list[int]:
+    return list(range(2, _MAX_WORLD + 1))
+
+
+def _collect_to_alternating(shape: tuple[int, int], n_items: int) -> dict:
+    """``collect`` of ``Shard(0)`` DTensors with each item's destination alternately rank 0 and 1:
+    both ranks send to and receive from each other in every bucket."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fsdptk._engine import collect
+
+    rank, device = dist.get_rank(), _device()
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    gen = torch.Generator().manual_seed(11)
+    fulls = {f"t{i}": torch.randn(shape, generator=gen) for i in range(n_items)}
+    items = [(k, distribute_tensor(v.to(device), mesh, [Shard(0)], src_data_rank=None)) for k, v in fulls.items()]
+    dests = [i % 2 for i in range(n_items)]
+    got = {k: v for b in collect(items, dest=dests) for k, v in b}
+    want = [k for k, d in zip(fulls, dests) if d == rank]
+    return {"keys": sorted(got) == sorted(want), "equal": all(torch.equal(got[k], fulls[k]) for k in want)}
+
+
+@pytest.mark.parametrize("n", _nccl_worlds())
+def test_nccl_collect_to_per_item_destinations_with_large_messages(gpu_world, n: int) -> None:
+    res = gpu_world(n).run(_collect_to_alternating, _LARGE, 4, timeout=_P2P_TIMEOUT)
+    assert res == [{"keys": True, "equal": True}] * n, res
+
+
+def _saved_equals(path: str, want: dict[str, torch.Tensor]) -> bool:
+    """Every tensor of the checkpoint directory (read on this rank) equals ``want``."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    got: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        got.update(load_file(str(f)))
+    return sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _save_with_two_writers(tmp: str, shape: tuple[int, int], n_layers: int) -> dict:
+    """A model of large Linear layers, FSDP-sharded, saved with ``writers=2`` in one file per
+    tensor: each writer gathers its files' tensors from the others, so both writers send and
+    receive in every bucket."""
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdptk import load_from_full_model_state_dict, save_safetensors, shard_model
+    from fsdptk.predicates import by_type
+
+    rank, device = dist.get_rank(), _device()
+    with torch.device("meta"):
+        model = nn.Sequential(*[nn.Linear(shape[1], shape[0], bias=False) for _ in range(n_layers)])
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp_shard",))
+    shard_model(model, [by_type(nn.Linear)], cpu_offload=False, dp_mesh=mesh)
+    gen = torch.Generator().manual_seed(3)
+    sd = {f"{i}.weight": torch.randn(shape, generator=gen) for i in range(n_layers)}
+    load_from_full_model_state_dict(model, dict(sd), device, strict=True)
+    nbytes = shape[0] * shape[1] * 4
+    save_safetensors(model, f"{tmp}/ckpt", writers=2, max_shard_size=nbytes + 1024, write_config=False)
+    dist.barrier()
+    files = len(list(Path(f"{tmp}/ckpt").glob("*.safetensors")))
+    return {"files": files, "equal": rank != 0 or _saved_equals(f"{tmp}/ckpt", sd)}
+
+
+@pytest.mark.parametrize("n", _nccl_worlds())
+def test_nccl_save_with_two_writers_and_large_messages(gpu_world, tmp_path, n: int) -> None:
+    res = gpu_world(n).run(_save_with_two_writers, str(tmp_path), _LARGE, 4, timeout=_P2P_TIMEOUT)
+    assert all(r["equal"] for r in res), res
+    assert res[0]["files"] == 4, res  # one file per tensor: the writers share them
+
+
+class _Experts(nn.Module):
+    """Fused expert weights ``[experts, ...]`` (what :func:`fsdptk.apply_ep` shards over ``ep``)."""
+
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, dim, 2 * hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, dim))
+
+
+class _MoELayer(nn.Module):
+    """A dense projection beside an experts module (no forward: saved, not run)."""
+
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.experts = _Experts(experts, dim, hidden)
+
+
+class _MoE(nn.Module):
+    """Layers of :class:`_MoELayer` (the FSDP units)."""
+
+    def __init__(self, n_layers: int, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_MoELayer(experts, dim, hidden) for _ in range(n_layers))
+
+
+def _ep_save(tmp: str, n_layers: int, experts_n: int, dim: int, hidden: int) -> dict:
+    """Expert parallelism (``ep=2`` over ``dp_shard=world``): experts ``Shard(0)`` over ``ep``,
+    saved with ``writers=2``, one file per tensor, and gathered to rank 0."""
+    from torch.distributed.tensor import Shard
+
+    from fsdptk import (
+        ParallelDims,
+        apply_ep,
+        gather_cpu_state_dict,
+        load_from_full_model_state_dict,
+        save_safetensors,
+        shard_model,
+    )
+    from fsdptk.predicates import layers
+
+    rank, world, device = dist.get_rank(), dist.get_world_size(), _device()
+    dims = ParallelDims(dp_shard=world, ep=2)
+    dims.build_mesh(device.type)
+    with torch.device("meta"):
+        model = _MoE(n_layers, experts_n, dim, hidden)
+    apply_ep(model, dims.ep_mesh, lambda name, m: isinstance(m, _Experts))
+    shard_model(model, [layers()], cpu_offload=False, dp_mesh=dims.fsdp_mesh, expert_dp_mesh=dims.expert_fsdp_mesh)
+    gen = torch.Generator().manual_seed(5)
+    sd = {k: torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+    load_from_full_model_state_dict(model, dict(sd), device, strict=True)
+    experts = [p for n, p in model.named_parameters() if ".experts." in n]
+    ep_sharded = len(experts) == 2 * n_layers and all(
+        p.placements[p.device_mesh.mesh_dim_names.index("ep")] == Shard(0) for p in experts)
+    biggest = max(v.numel() * v.element_size() for v in sd.values())
+    save_safetensors(model, f"{tmp}/ep", writers=2, max_shard_size=biggest + 1024, write_config=False)
+    dist.barrier()
+    full = gather_cpu_state_dict(model, rank == 0)
+    return {"ep_sharded": ep_sharded, "saved": rank != 0 or _saved_equals(f"{tmp}/ep", sd),
+            "gathered": rank != 0 or (sorted(full) == sorted(sd) and all(torch.equal(full[k], sd[k]) for k in sd))}
+
+
+@pytest.mark.parametrize("n", [m for m in _nccl_worlds() if m % 2 == 0])
+def test_nccl_expert_parallel_save_with_two_writers_and_large_messages(gpu_world, tmp_path, n: int) -> None:
+    """Experts of 64 MiB (``gate_up_proj``: 4 experts x 1024 x 4096 fp32), ``ep=2``."""
+    res = gpu_world(n).run(_ep_save, str(tmp_path), 2, 4, 1024, 2048, timeout=_P2P_TIMEOUT)
+    assert res == [{"ep_sharded": True, "saved": True, "gathered": True}] * n, res

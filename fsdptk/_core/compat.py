@@ -7,7 +7,9 @@ torchao is imported only by :mod:`fsdptk._core.nf4` (public as :mod:`fsdptk.nf4`
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ __all__ = [
     "clear_dtensor_caches",
     "dcp_set_element",
     "default_store",
+    "p2p_batch",
 ]
 
 # what nn.Module.load_state_dict returns: (missing_keys, unexpected_keys); the loads return it too
@@ -110,3 +113,42 @@ def default_store() -> Any:
         return _get_default_store()
     except (RuntimeError, ValueError):  # no default process group
         return None
+
+
+@dataclass
+class P2PBatch:
+    """What :func:`p2p_batch` yields. ``grouped``: the backend groups the block's posts; then, after
+    the block, ``works`` holds the batch's own work, the one to wait for (what the posts return
+    inside a group is not waited for, as in ``batch_isend_irecv``). Otherwise each post's own work
+    is the one to wait for and ``works`` stays empty."""
+
+    grouped: bool = False
+    works: list[Any] = field(default_factory=list)
+
+
+@contextmanager
+def p2p_batch(group: Any, device: torch.device) -> Iterator[P2PBatch]:
+    """Post the point-to-point operations of the block as one batch where the backend groups them.
+
+    On a backend that supports coalescing (NCCL) the block runs inside torch's coalescing manager,
+    exactly as ``torch.distributed.batch_isend_irecv`` does: one ``ncclGroupStart`` /
+    ``ncclGroupEnd``, so NCCL progresses every operation of the batch together. On others (gloo)
+    the posts go out one by one as they are made (each returns its own work). Unlike
+    ``batch_isend_irecv`` it takes the posts as calls made in the block (made through
+    ``torch.distributed.isend`` / ``irecv`` as looked up at call time), so a caller can retry a
+    post that raised and keep every tensor alive.
+
+    Args:
+        group: the process group of every post in the block (``None``: the default group).
+        device: the device of their tensors.
+    """
+    from torch.distributed.distributed_c10d import ProcessGroup, _coalescing_manager, _get_default_group
+
+    pg = group if group is not None else _get_default_group()
+    batch = P2PBatch(grouped=type(pg) is ProcessGroup and pg._get_backend(device).supports_coalescing)
+    if batch.grouped:
+        with _coalescing_manager(pg, device, async_ops=True) as cm:
+            yield batch
+        batch.works.extend(cm.works)
+    else:
+        yield batch

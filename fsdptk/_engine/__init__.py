@@ -11,9 +11,11 @@ DTensor). Targets may live on ``meta``: outputs are then allocated on the reques
   a lazy source is read shard-on-read), or rank 0 sends each rank its slices of a bucket of
   tensors: small ones packed into one flat byte buffer per rank, large dim-0 ones alone, from and
   into their final memory (zero-copy), bucket k+1 packed while bucket k is on the wire.
-* :func:`collect`: local shards -> full CPU tensors on rank 0 only, bucket by bucket, with
-  point-to-point sends of exactly the bytes each shard owner holds (one replica per HSDP group),
-  large dim-0 pieces received straight into the full tensors.
+* :func:`collect`: local shards -> full CPU tensors on each item's destination rank (rank 0, a
+  writer, an owner), bucket by bucket, with point-to-point sends of exactly the bytes each box's
+  chosen holder has (one replica per HSDP group), large dim-0 pieces received straight into the
+  full tensors. Each rank posts a bucket's messages as one batch, receives first, so transfers
+  cannot block each other on any backend (``wire``'s "Point-to-point order").
 
 Everything runs on the process group of ``fsdptk._core.dist.comm_group()`` (the default group unless
 the calling thread chose another). See ``docs/state_dict.md``. The parts:
@@ -21,7 +23,9 @@ the calling thread chose another). See ``docs/state_dict.md``. The parts:
 - :mod:`~fsdptk._engine.sources`: the source protocol (metadata, read a box, release);
 - :mod:`~fsdptk._engine.layouts`: one class per kind of target (plain, DTensor, NF4, DTensor NF4);
 - :mod:`~fsdptk._engine.wire`: flat buffers of aligned pieces, direct (zero-copy) pieces, buckets,
-  the two-bucket pipeline;
+  the two-bucket pipeline, the point-to-point order (one batch per bucket, receives first);
+- :mod:`~fsdptk._engine.routes`: a gather's routes (which holder sends each box; each rank's
+  messages of a bucket), pure;
 - :mod:`~fsdptk._engine.agree`: the metadata agreement and the per-bucket status agreement (the
   failure protocol, ``docs/failure_model.md``);
 - :mod:`~fsdptk._engine.scatter` (:func:`distribute`) and :mod:`~fsdptk._engine.gather`
@@ -29,8 +33,9 @@ the calling thread chose another). See ``docs/state_dict.md``. The parts:
 """
 
 from fsdptk._engine.agree import LoadPlan, agree, check_source, merge_checks
-from fsdptk._engine.gather import Holdings, choose_senders, collect
+from fsdptk._engine.gather import collect
 from fsdptk._engine.layouts import layout_of
+from fsdptk._engine.routes import Holdings, choose_senders
 from fsdptk._engine.scatter import distribute
 from fsdptk._engine.sources import ShapesSource, Source, TensorMeta
 from fsdptk._engine.wire import DEFAULT_BUCKET_BYTES

@@ -10,6 +10,11 @@ per destination, large dim-0 pieces alone, received straight into the full tenso
 destination places the rest and yields the bucket. A bucket holds up to ``bucket_bytes`` for every
 destination (each destination holds one bucket at a time). Two buckets are in flight. The status
 of every bucket is agreed before its bytes move (:mod:`fsdptk._engine.agree`).
+
+A rank may both send and receive in one bucket (many destinations); the plan of every bucket's
+messages is a pure function of the agreed holdings (:mod:`fsdptk._engine.routes`),
+and each rank posts its messages of a bucket as one batch, receives first: the point-to-point
+order of :mod:`fsdptk._engine.wire`, under which transfers cannot block each other.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from fsdptk._core.arguments import ArgumentsView, check_arguments
 from fsdptk._core.compat import local_tensor
 from fsdptk._core.dist import (
     all_gather_object,
@@ -31,19 +37,11 @@ from fsdptk._core.dist import (
 from fsdptk._core.dist import raise_problems as _raise
 from fsdptk._core.dist import world as _world
 from fsdptk._engine.agree import Status, fingerprint, guarded, hand_over
-from fsdptk._engine.layouts import Box, Layout, box_shape, is_dim0_run, layout_of, place
-from fsdptk._engine.wire import (
-    DEFAULT_BUCKET_BYTES,
-    InFlight,
-    buckets,
-    irecv,
-    is_direct,
-    isend,
-    nbytes,
-    pack,
-    packed_size,
-    unpack,
-)
+from fsdptk._engine.layouts import Box, Layout, box_shape, layout_of, place
+from fsdptk._engine.routes import GatherPlan, Holdings, Transfer, bucket_transfers, plan_gather
+from fsdptk._engine.wire import DEFAULT_BUCKET_BYTES, InFlight, Post, pack, unpack
+
+__all__ = ["collect", "Holdings", "Dest"]
 
 
 class _ItemView(NamedTuple):
@@ -62,14 +60,7 @@ class _GatherView(NamedTuple):
     problems: list[tuple[str, str]]  # (exception type name, message naming the key)
     error: Any  # error_payload of its local failure, or None
     host: str  # its host (host name and network namespace): replicas on a destination's host send
-
-
-class Holdings(NamedTuple):
-    """Who holds which part of every item, as :func:`collect` agreed it (the same on every rank):
-    the input of a ``dest`` callable."""
-
-    boxes: list[list[Box | None]]  # per rank, per item: the box of the full tensor it holds, or None
-    hosts: list[str]  # per rank: its host (host name and network namespace)
+    arguments: ArgumentsView | None  # the call's per-rank arguments that change the exchange
 
 
 Dest = Sequence[int] | Callable[[Holdings], Sequence[int]] | None
@@ -87,38 +78,6 @@ def _collect_view(t: object) -> _ItemView:
         return _ItemView(layout, None,
                          f"has layout {local.layout}: only dense (torch.strided) tensors can be gathered")
     return _ItemView(layout, layout.held_box(), None)
-
-
-def _box_key(box: Box) -> tuple[Any, ...]:
-    """A hashable key of a box (slices are not hashable before Python 3.12)."""
-    return tuple((b.start, b.stop) if isinstance(b, slice) else ("at", *b) for b in box)
-
-
-def choose_senders(holdings: Holdings, dests: Sequence[int]) -> list[list[Box | None]]:
-    """Per rank, per item, the box it sends to the item's destination (or keeps, when it is the
-    destination), ``None`` when it sends nothing: every distinct box once, from the destination
-    itself when it holds it, else from a holder on the destination's host, else from the
-    lowest-ranked holder. Pure: every rank derives the same answer from the agreed holdings.
-
-    Examples:
-        >>> b0, b1 = (slice(0, 2),), (slice(2, 4),)
-        >>> h = Holdings(boxes=[[b0], [b1], [b0], [b1]], hosts=["a", "a", "b", "b"])
-        >>> choose_senders(h, [3])  # rank 3 holds b1 and takes b0 from rank 2, on its own host
-        [[None], [None], [(slice(0, 2, None),)], [(slice(2, 4, None),)]]
-    """
-    world = len(holdings.boxes)
-    sends: list[list[Box | None]] = [[None] * len(dests) for _ in range(world)]
-    for i, d in enumerate(dests):
-        groups: dict[tuple[Any, ...], list[int]] = {}
-        for r in range(world):
-            b = holdings.boxes[r][i]
-            if b is not None:
-                groups.setdefault(_box_key(b), []).append(r)
-        for holders in groups.values():
-            near = [h for h in holders if holdings.hosts[h] == holdings.hosts[d]]
-            r = d if d in holders else (near or holders)[0]
-            sends[r][i] = holdings.boxes[r][i]
-    return sends
 
 
 def _resolve_dest(dest: Dest, holdings: Holdings, n: int) -> list[int]:
@@ -141,6 +100,7 @@ def collect(
     retained: bool = False,
     failed: BaseException | None = None,
     dest: Dest = None,
+    arguments: ArgumentsView | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Turn local shards into full CPU tensors on each item's destination rank, one bucket at a time.
 
@@ -148,9 +108,9 @@ def collect(
     gather, never an all-gather; no barrier): small pieces in one flat buffer per destination,
     large dim-0 pieces alone. Of the replicas of a box (HSDP, plain tensors) one sends: the
     destination itself when it holds the box (no communication), else one on the destination's
-    host, else the lowest-ranked (:func:`choose_senders`). Each destination yields the bucket's
-    full tensors of its items (CPU, original dtype, NF4 dequantised, fresh memory not shared with
-    the model), in item order; a rank with none in a bucket yields ``[]``. A bucket holds up to
+    host, else the lowest-ranked (:func:`~fsdptk._engine.routes.choose_senders`). Each destination
+    yields the bucket's full tensors of its items (CPU, original dtype, NF4 dequantised, fresh
+    memory not shared with the model), in item order; a rank with none in a bucket yields ``[]``. A bucket holds up to
     ``bucket_bytes`` of full tensors for every destination, so each destination's memory beyond
     the shards is one bucket (full tensors plus the received buffers; senders: their packed
     pieces), and every destination receives in every bucket. Consistency of the items is checked
@@ -175,6 +135,10 @@ def collect(
             (the same on every rank), or a callable given the agreed :class:`Holdings` (which
             rank holds which box, and each rank's host) that returns them; it runs on every rank
             after the exchange and must be deterministic.
+        arguments: the calling function's per-rank arguments that change what the ranks exchange
+            (:func:`fsdptk._core.arguments.arguments_view`), carried in the same exchange and
+            compared first: ranks that differ get one ValueError naming each argument and every
+            rank's value.
 
     Returns:
         Iterator[list[tuple[str, torch.Tensor]]]: buckets; every rank must exhaust the generator.
@@ -211,7 +175,9 @@ def collect(
     except Exception as e:  # noqa: BLE001 - raised on every rank just below
         error = e
     payloads = all_gather_object(_GatherView(fingerprint=fp, boxes=[v.box for v in views], problems=problems,
-                                             error=error_payload(error), host=host_key()))
+                                             error=error_payload(error), host=host_key(), arguments=arguments))
+    if any(p.arguments is not None for p in payloads):  # first: a disagreement explains the rest
+        check_arguments([p.arguments or ArgumentsView(call="(no arguments sent)", values=()) for p in payloads])
     raise_lowest([p.error for p in payloads], error)
     diff = [r for r, p in enumerate(payloads) if p.fingerprint != payloads[0].fingerprint]
     all_problems = [(k, (f"rank {r}: " if world > 1 else "") + m) for r, p in enumerate(payloads)
@@ -222,132 +188,115 @@ def collect(
     _raise(all_problems, "cannot gather the state")
     holdings = Holdings(boxes=[p.boxes for p in payloads], hosts=[p.host for p in payloads])
     dests = _resolve_dest(dest, holdings, len(listed))
-    sends = choose_senders(holdings, dests)
     status = Status("gather")
     layouts = [v.layout for v in views if v.layout is not None]
     assert len(layouts) == len(listed), "every item is a tensor (agreed just above)"
-    yield from guarded(_collect_buckets(listed, layouts, sends, dests, bucket_bytes, retained, status), status)
+    yield from guarded(_collect_buckets(listed, layouts, holdings, dests, bucket_bytes, retained, status), status)
 
 
-def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout],
-                     sends: list[list[Box | None]], dests: list[int], bucket_bytes: int, retained: bool,
+def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], holdings: Holdings,
+                     dests: list[int], bucket_bytes: int, retained: bool,
                      status: Status) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The data phase of :func:`collect`: per bucket, pack, agree, then move the bytes.
 
     A sender's small pieces for one destination travel packed in one flat buffer; a large dim-0
     piece travels alone, from the shard itself, and its destination receives it straight into the
-    full tensor's memory (over a CPU transport). Pipelined: a sender packs bucket k+1 while bucket
-    k is on the wire (two buckets in flight); a destination places its own pieces of bucket k while
-    the others' bytes arrive, and yields bucket k before bucket k+1 is agreed, so a failure of the
-    caller's code (a file write) stops the senders at the next bucket. Once a bucket is agreed
-    every rank posts its transfers of it, and every posted transfer is waited for, on the error
-    paths too."""
+    full tensor's memory (over a CPU transport). Every rank posts its messages of a bucket as one
+    batch, receives first (:func:`~fsdptk._engine.routes.bucket_transfers`; the point-to-point order of
+    :mod:`fsdptk._engine.wire`), so a rank that both sends and receives cannot block a peer that
+    does too. Pipelined: a sender packs bucket k+1 while bucket k is on the wire (two buckets in
+    flight); a destination places its own pieces of bucket k while the others' bytes arrive, and
+    yields bucket k before bucket k+1 is agreed, so a failure of the caller's code (a file write)
+    stops the senders at the next bucket. Once a bucket is agreed every rank posts its transfers
+    of it, and every posted transfer is waited for, on the error paths too."""
     world, rank = _world()
     comm = comm_device() if world > 1 else torch.device("cpu")
-    into_full = comm.type == "cpu"  # a receive can land in the (CPU) full tensors
-    direct = [[b is not None and r != dests[i] and into_full and is_dim0_run(b, t.shape)
-               and is_direct(box_shape(b), t.dtype) for i, (b, (_, t)) in enumerate(zip(sends[r], items))]
-              for r in range(world)]
-    if retained:  # only the packed (or dequantised) pieces add memory: the fulls are kept anyway
-        sizes = [sum(nbytes(box_shape(b), t.dtype) for r in range(world)
-                     if r != dests[i] and (b := sends[r][i]) is not None
-                     and (layouts[i].quantized or not direct[r][i]))
-                 for i, (_, t) in enumerate(items)]
-    else:
-        sizes = [nbytes(t.shape, t.dtype) for _, t in items]
+    plan = plan_gather([tuple(t.shape) for _, t in items], [t.dtype for _, t in items], holdings, dests,
+                       bucket_bytes=bucket_bytes, retained=retained, quantized=[lay.quantized for lay in layouts],
+                       into_full=comm.type == "cpu")  # a receive can land in the (CPU) full tensors
     flight = InFlight(status.waiter)  # the previous bucket's transfers
-    held: tuple[list[int], dict[int, torch.Tensor], dict[int, torch.Tensor]] | None = None  # a destination's
+    held: tuple[list[int], dict[int, torch.Tensor], list[tuple[Transfer, torch.Tensor]]] | None = None
     try:
-        for bucket in buckets(sizes, bucket_bytes, dests):
+        for bucket in plan.buckets:
             if held is not None:  # bucket k-1: it arrived while this rank placed its own pieces
                 with comm_errors(status.what):
                     flight.wait()
-                yield from _collect_hand_over(items, sends, direct, *held, status)
+                yield from _collect_hand_over(items, plan, *held, status)
                 held = None
-            mine = [i for i in bucket if dests[i] == rank]
-            outgoing: dict[int, list[torch.Tensor]] = {}
-            incoming: dict[int, list[torch.Tensor]] = {}
+            mine = [i for i in bucket if plan.dests[i] == rank]
+            posts: list[Post] = []
             fulls: dict[int, torch.Tensor] = {}
-            bufs: dict[int, torch.Tensor] = {}
+            received: list[tuple[Transfer, torch.Tensor]] = []
             if status.error is None:
                 try:
-                    fulls = {i: torch.empty(tuple(items[i][1].shape), dtype=items[i][1].dtype) for i in mine}
-                    bufs, incoming = _collect_recv_buffers(items, mine, sends, direct, fulls, comm)
-                    outgoing = _collect_pack(items, layouts, bucket, dests, sends[rank], direct[rank], comm,
-                                             status)
+                    fulls = {i: torch.empty(plan.shapes[i], dtype=plan.dtypes[i]) for i in mine}
+                    posts, received = _collect_messages(items, layouts, plan, bucket, fulls, comm, status)
                 except Exception as exc:  # noqa: BLE001 - agreed just below
                     status.fail(exc)
             status.agree()
             with comm_errors(status.what):
                 flight.wait()  # bucket k-1 is out: its buffers are free (done above on a destination)
-                refused = flight.post_all(isend, [(d, t) for d, ts in sorted(outgoing.items()) for t in ts])
-                refused = flight.post_all(irecv, [(r, t) for r, ts in sorted(incoming.items()) for t in ts]) \
-                    or refused
+                refused = flight.post_all(posts)
             status.fail_post(refused)
-            del outgoing, incoming
+            del posts
             if mine:
-                _collect_own(items, layouts, mine, sends[rank], fulls, status)  # while the bytes arrive
-                held = (mine, fulls, bufs)
+                _collect_own(items, layouts, mine, plan.sends[rank], fulls, status)  # while the bytes arrive
+                held = (mine, fulls, received)
             else:
                 yield from hand_over([[]], status)
-            del fulls, bufs
+            del fulls, received
         with comm_errors(status.what):
             flight.wait()
         if held is not None:
-            yield from _collect_hand_over(items, sends, direct, *held, status)
+            yield from _collect_hand_over(items, plan, *held, status)
         status.agree()
     finally:
         flight.drain_quietly()
 
 
-def _collect_pack(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], bucket: list[int],
-                  dests: list[int], sends: list[Box | None], direct: list[bool], comm: torch.device,
-                  status: Status) -> dict[int, list[torch.Tensor]]:
-    """A sender: its messages of a bucket per destination (``{}`` when it sends none): its small
-    pieces for that destination in one flat buffer, then each large dim-0 piece as it is (no copy
-    when contiguous on ``comm``)."""
+def _collect_messages(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], plan: GatherPlan,
+                      bucket: list[int], fulls: dict[int, torch.Tensor], comm: torch.device, status: Status,
+                      ) -> tuple[list[Post], list[tuple[Transfer, torch.Tensor]]]:
+    """This rank's messages of a bucket, as :func:`~fsdptk._engine.routes.bucket_transfers` plans
+    them: what it sends (its small pieces for a destination packed into one flat buffer; a large
+    dim-0 piece as it is, no copy when contiguous on ``comm``) and the memory it receives into (a
+    flat buffer per sender; a view of the full tensor per large piece); and the received flat
+    buffers to unpack."""
     rank = _world()[1]
-    out: dict[int, list[torch.Tensor]] = {}
-    for d in sorted({dests[i] for i in bucket if sends[i] is not None and dests[i] != rank}):
-        mine = [i for i in bucket if dests[i] == d and sends[i] is not None]
-        total = packed_size([(box_shape(b), items[i][1].dtype) for i in mine
-                             if (b := sends[i]) is not None and not direct[i]])
-        buf = torch.empty(total, dtype=torch.uint8, device=comm) if total else None
-        off, alone = 0, []
-        for i in mine:
-            try:
-                local = layouts[i].send_local()
-                if direct[i]:
-                    alone.append(local.to(comm).contiguous())
-                elif buf is not None:
-                    off = pack(buf, off, local)
-            except Exception as exc:
-                status.fail(exc, f"reading its shard of {items[i][0]!r}")
-                raise
-        msgs = ([buf] if buf is not None else []) + alone
-        if msgs:
-            out[d] = msgs
-    return out
+    posts: list[Post] = []
+    received: list[tuple[Transfer, torch.Tensor]] = []
+    for t in bucket_transfers(plan, bucket, rank):
+        if t.recv:
+            if t.packed:
+                buf = torch.empty(t.nbytes, dtype=torch.uint8, device=comm)
+                received.append((t, buf))
+            else:
+                box = plan.sends[t.peer][t.items[0]]
+                assert box is not None, "a planned piece has a box"
+                buf = fulls[t.items[0]][box[0]]
+            posts.append(Post(True, t.peer, buf))
+        else:
+            posts.append(Post(False, t.peer, _collect_pack(items, layouts, t, comm, status)))
+    return posts, received
 
 
-def _collect_recv_buffers(items: list[tuple[str, torch.Tensor]], mine: list[int],
-                          sends: list[list[Box | None]], direct: list[list[bool]], fulls: dict[int, torch.Tensor],
-                          comm: torch.device) -> tuple[dict[int, torch.Tensor], dict[int, list[torch.Tensor]]]:
-    """A destination: per sender, the flat buffer of its small pieces, and its messages in send
-    order (that buffer, then a view of the full tensor for each large dim-0 piece)."""
-    rank = _world()[1]
-    bufs, msgs = {}, {}
-    for r in range(len(sends)):
-        if r == rank:
-            continue
-        total = packed_size([(box_shape(b), items[i][1].dtype)
-                             for i in mine if (b := sends[r][i]) is not None and not direct[r][i]])
-        if total:
-            bufs[r] = torch.empty(total, dtype=torch.uint8, device=comm)
-        views = [fulls[i][b[0]] for i in mine if direct[r][i] and (b := sends[r][i]) is not None]
-        if total or views:
-            msgs[r] = ([bufs[r]] if total else []) + views
-    return bufs, msgs
+def _collect_pack(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], t: Transfer, comm: torch.device,
+                  status: Status) -> torch.Tensor:
+    """A sender: the tensor of one planned message: its small pieces packed in one flat buffer, or
+    its one large dim-0 piece as it is (no copy when contiguous on ``comm``)."""
+    buf = torch.empty(t.nbytes, dtype=torch.uint8, device=comm) if t.packed else None
+    off = 0
+    for i in t.items:
+        try:
+            local = layouts[i].send_local()
+            if buf is None:
+                return local.to(comm).contiguous()
+            off = pack(buf, off, local)
+        except Exception as exc:
+            status.fail(exc, f"reading its shard of {items[i][0]!r}")
+            raise
+    assert buf is not None
+    return buf
 
 
 def _collect_own(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], mine: list[int],
@@ -366,24 +315,23 @@ def _collect_own(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], m
         status.fail(exc, f"reading its shard of {name!r}")
 
 
-def _collect_hand_over(items: list[tuple[str, torch.Tensor]], sends: list[list[Box | None]],
-                       direct: list[list[bool]], mine: list[int], fulls: dict[int, torch.Tensor],
-                       bufs: dict[int, torch.Tensor], status: Status,
-                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def _collect_hand_over(items: list[tuple[str, torch.Tensor]], plan: GatherPlan, mine: list[int],
+                       fulls: dict[int, torch.Tensor], received: list[tuple[Transfer, torch.Tensor]],
+                       status: Status) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """A destination: unpack a bucket that has arrived (its large pieces are already in place) and
     yield it."""
     if status.error is not None:
         return
     name = None
     try:
-        for r, buf in bufs.items():
+        for t, buf in received:
             off = 0
-            for i in mine:
-                box = sends[r][i]
-                if box is not None and not direct[r][i]:
-                    name = items[i][0]
-                    piece, off = unpack(buf, off, box_shape(box), items[i][1].dtype, torch.device("cpu"))
-                    place(fulls[i], box, piece)
+            for i in t.items:
+                box = plan.sends[t.peer][i]
+                assert box is not None, "a planned piece has a box"
+                name = items[i][0]
+                piece, off = unpack(buf, off, box_shape(box), plan.dtypes[i], torch.device("cpu"))
+                place(fulls[i], box, piece)
     except Exception as exc:  # noqa: BLE001 - agreed at the next boundary
         status.fail(exc, f"assembling {name!r}")
         return

@@ -159,14 +159,6 @@ def _compute_box(t: DTensor, shape: tuple[int, ...], mesh: Any, coord: Sequence[
     return tuple(box)
 
 
-def _is_sender(t: DTensor) -> bool:
-    """One replica sends: coordinate 0 on every Replicate mesh dim."""
-    coord = t.device_mesh.get_coordinate()
-    if coord is None:
-        return False
-    return all(c == 0 for c, p in zip(coord, t.placements) if isinstance(p, Replicate))
-
-
 def _nf4_path(t: DTensor) -> list[tuple[int, int]]:
     coord = t.device_mesh.get_coordinate() or [0] * t.device_mesh.ndim
     path = []
@@ -232,14 +224,9 @@ class Layout:
         """The tensors whose checksum stands for a replicated local value."""
         return [local]
 
-    def send_box(self, rank: int) -> Box | None:
-        """Gathering: this rank's box of the full tensor when it sends it, else ``None``."""
-        return self.local if rank == 0 else None
-
     def held_box(self) -> Box | None:
-        """Gathering: the box of the full tensor this rank holds (every replica's, not only the
-        one that sends by default), or ``None`` when it holds none; the gather picks, per box, the
-        holder nearest the destination."""
+        """Gathering: the box of the full tensor this rank holds (on every replica), or ``None``
+        when it holds none; the gather picks, per box, the holder nearest the destination."""
         return full_box(self.shape)
 
     def send_local(self) -> torch.Tensor:
@@ -248,11 +235,13 @@ class Layout:
 
 
 class PlainLayout(Layout):
-    """A plain (replicated) tensor: every rank holds all of it; rank 0 sends it when gathering."""
+    """A plain (replicated) tensor: every rank holds all of it (a gather takes it from the
+    destination itself)."""
 
 
 class DTensorLayout(Layout):
-    """A DTensor on any mesh: this rank's box from DTensor's placement math; one replica sends."""
+    """A DTensor on any mesh: this rank's box from DTensor's placement math (a gather takes each
+    box from one of its replicas: :func:`fsdptk._engine.routes.choose_senders`)."""
 
     replicated = False
     target: DTensor  # (narrowed: layout_of picks this class for DTensors only)
@@ -267,9 +256,6 @@ class DTensorLayout(Layout):
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         return dtensor_like(self.target, local)
-
-    def send_box(self, rank: int) -> Box | None:
-        return self.local if _is_sender(self.target) else None
 
     def held_box(self) -> Box | None:
         return self.local if self.target.device_mesh.get_coordinate() is not None else None
@@ -326,9 +312,6 @@ class DTensorNF4Layout(NF4Layout):
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         return dtensor_like(self.target, local)
-
-    def send_box(self, rank: int) -> Box | None:
-        return self.box if _is_sender(self.target) else None
 
     def held_box(self) -> Box | None:
         return self.box if self.target.device_mesh.get_coordinate() is not None else None

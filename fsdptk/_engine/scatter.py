@@ -23,10 +23,9 @@ from fsdptk._engine.wire import (
     DEFAULT_BUCKET_BYTES,
     LOCAL_AGREE_BUCKETS,
     InFlight,
+    Post,
     buckets,
-    irecv,
     is_direct,
-    isend,
     nbytes,
     pack,
     packed_size,
@@ -205,13 +204,14 @@ def _distribute_scatter(plan: LoadPlan, source: Source, device: torch.device, re
                 except Exception as exc:  # noqa: BLE001 - agreed just below
                     status.fail(exc)
             status.agree()
-            with comm_errors(status.what):
+            with comm_errors(status.what):  # one batch per bucket (wire's point-to-point order);
+                # only rank 0 sends, so no rank both sends and receives and no wait can cycle
                 if rank == 0:
                     flight.wait()  # bucket k-1 is out: its buffers are free
-                    refused = flight.post_all(isend, [(r, t) for r, ts in msgs.items() for t in ts])
+                    refused = flight.post_all(Post(False, r, t) for r, ts in msgs.items() for t in ts)
                 else:
                     posted = InFlight(status.waiter)
-                    refused = posted.post_all(irecv, [(0, t) for t in msgs.get(rank, [])])
+                    refused = posted.post_all(Post(True, 0, t) for t in msgs.get(rank, []))
                     flight.wait()  # bucket k-1 has arrived (bucket k's receives are already posted)
                     flight = posted
             status.fail_post(refused)

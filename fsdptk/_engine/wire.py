@@ -8,17 +8,20 @@ so that any dtype can be viewed out of it without a copy. A piece of at least
 buffer, sent from and received into its final memory (zero-copy: see :func:`is_direct`).
 
 Transfers are pipelined two buckets deep (:class:`InFlight`): bucket k+1 is packed (or its
-receive posted) while bucket k is on the wire, so a rank holds at most one extra bucket.
+receive posted) while bucket k is on the wire, so a rank holds at most one extra bucket. A rank
+posts each bucket's messages as one batch, receives first, so that transfers cannot block each
+other on any backend (the "Point-to-point order" comment below).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from fsdptk._core.compat import p2p_batch
 from fsdptk._core.dist import comm_group
 from fsdptk._core.peers import Waiter
 
@@ -89,6 +92,75 @@ class Refused(NamedTuple):
     peer: int
 
 
+class Post(NamedTuple):
+    """One point-to-point message of a bucket, as this rank posts it."""
+
+    recv: bool  # this rank receives it (into ``tensor``); else it sends ``tensor``
+    peer: int  # the global rank at the other end
+    tensor: torch.Tensor  # what is sent, or the memory the bytes land in
+
+
+# ---------------------------------------------------------------------------------------------
+# Point-to-point order (docs/architecture.md, "Point-to-point order")
+#
+# A rank may both send to and receive from another rank in one bucket (a gather to many
+# destinations: writers, expert parallelism, a weight source's owners). On NCCL, transfers that
+# are not grouped run one after another on the communicator's stream, and a send larger than
+# NCCL's buffers does not complete until the peer's matching receive runs; two ranks that each
+# post "send to the other, then receive from it" then wait for each other for ever. Gloo hides
+# it (its sends never wait for the receiver). So every backend follows one rule, by construction:
+#
+# 1. One batch per bucket: a rank posts ALL of its messages of a bucket together
+#    (:meth:`InFlight.post_all`), inside one ``ncclGroupStart`` / ``ncclGroupEnd`` where the
+#    backend groups point-to-point operations (NCCL, as ``torch.distributed.batch_isend_irecv``
+#    does; :func:`~fsdptk._core.compat.p2p_batch`). NCCL progresses the operations of a group
+#    together, so no message of the batch waits for another.
+# 2. Receives first (:func:`posting_order`): within a batch every receive is posted before any
+#    send. Where a backend posts a batch's operations one by one (gloo has no grouping), posting a
+#    receive never blocks, so by the time a rank posts a send, every receive it owes its peers in
+#    that bucket is already posted.
+# 3. Both ends derive every message from the agreed plan: the same bucket, peer, size, and order
+#    per pair and direction (``collect``: :func:`~fsdptk._engine.routes.bucket_transfers`;
+#    ``distribute``: only rank 0 sends). A rank waits for bucket k's transfers before it posts
+#    bucket k+1's sends, and every bucket has one status agreement that every rank reaches.
+#
+# Why no cycle, under the worst semantics ("a send may not complete until the peer has posted
+# its matching receive"; a rank posts nothing after a blocked send of an unbatched post): take the
+# first bucket k in which some rank is stuck. Every rank completed bucket k-1, so every rank
+# reaches bucket k and posts its receives of it (3: each matches a send of k, and nothing posted
+# earlier is pending). With (1), the batch holds every operation at once and each has its match
+# posted: all complete. Without grouping, (2) puts all of a rank's receives of k before its first
+# send of k, so each send of k finds its receive posted and completes, and each receive of k then
+# finds its send posted. Either way bucket k completes: a contradiction, so no rank is ever stuck.
+# tests/test_engine.py checks this by simulating exactly the posts :func:`posting_order` and
+# ``bucket_transfers`` make, over random holdings, destinations and buckets.
+# ---------------------------------------------------------------------------------------------
+
+
+class _Directed(Protocol):
+    """Anything that says whether this rank receives it (a :class:`Post`, a planned transfer)."""
+
+    @property
+    def recv(self) -> bool: ...
+
+
+P = TypeVar("P", bound=_Directed)
+
+
+def posting_order(posts: Iterable[P]) -> list[P]:
+    """The order in which a rank posts one bucket's messages: every receive, then every send (each
+    kind in the given order, which keeps the order per pair and direction that both ends agreed).
+
+    Examples:
+        >>> from collections import namedtuple
+        >>> M = namedtuple("M", "recv peer")
+        >>> [(m.recv, m.peer) for m in posting_order([M(False, 1), M(True, 1), M(False, 2), M(True, 2)])]
+        [(True, 1), (True, 2), (False, 1), (False, 2)]
+    """
+    posts = list(posts)
+    return [p for p in posts if p.recv] + [p for p in posts if not p.recv]
+
+
 def isend(tensor: torch.Tensor, peer: int) -> dist.Work | None:
     """Post the send of ``tensor`` to global rank ``peer`` on fsdptk's process group."""
     return dist.isend(tensor, dst=peer, group=comm_group())
@@ -113,10 +185,9 @@ class InFlight:
         self.works: list[dist.Work] = []
         self.tensors: list[torch.Tensor] = []
 
-    def post_all(self, op: Callable[[torch.Tensor, int], dist.Work | None],
-                 messages: Iterable[tuple[int, torch.Tensor]]) -> Refused | None:
-        """Post every ``(peer, tensor)`` message with ``op`` (``dist.isend`` or ``dist.irecv``), in
-        order, and keep the tensors alive until :meth:`wait`.
+    def post_all(self, posts: Iterable[Post]) -> Refused | None:
+        """Post every message of a bucket as one batch, receives first (the point-to-point order
+        above), and keep the tensors alive until :meth:`wait`.
 
         Each message is one a peer has posted (or will post) its side of, with the size every rank
         derived from the agreed metadata. So a post that raises (an I/O error where the message is
@@ -131,8 +202,21 @@ class InFlight:
         Returns:
             Refused | None: the first post that raised and its peer, or ``None``.
         """
+        ordered = posting_order(posts)
+        if not ordered:
+            return None
+        works: list[dist.Work] = []
+        with p2p_batch(comm_group(), ordered[0].tensor.device) as batch:
+            refused = self._post_each(ordered, works)
+        self.works += [w for w in batch.works if w is not None] if batch.grouped else works
+        return refused
+
+    def _post_each(self, posts: list[Post], works: list[dist.Work]) -> Refused | None:
+        """:meth:`post_all`'s posts, in order, each retried once when it raises; their works are
+        appended to ``works``."""
         refused: Refused | None = None
-        for peer, t in messages:
+        for recv, peer, t in posts:
+            op: Callable[[torch.Tensor, int], dist.Work | None] = irecv if recv else isend
             try:
                 work = op(t, peer)
             except Exception as exc:  # noqa: BLE001 - returned, agreed by the caller
@@ -143,7 +227,7 @@ class InFlight:
                 except Exception:  # noqa: BLE001 - the first error is the one reported
                     return refused
             if work is not None:  # None: this rank is not in the group (nothing was posted)
-                self.works.append(work)
+                works.append(work)
             self.tensors.append(t)
         return refused
 
