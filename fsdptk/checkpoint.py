@@ -28,9 +28,7 @@ from torch import nn
 from fsdptk._core.arguments import ArgumentsView, agree_arguments, arguments_view, check_arguments
 from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.dist import all_gather_object, error_payload, is_rank0, raise_if_any, raise_lowest, run_agreed
-from fsdptk._engine import bucket_size
-from fsdptk._engine.sources import RenamedSource
-from fsdptk._files.common import Rename, infer_device, progress_bar, rename_keys
+from fsdptk._files.common import Rename, infer_device, progress_bar
 from fsdptk._files.hf_config import stage_hf_config
 from fsdptk._files.pending import wait_for_pending
 from fsdptk._files.safetensors_io import (
@@ -38,7 +36,7 @@ from fsdptk._files.safetensors_io import (
     parse_size,
 )
 from fsdptk._files.save import plan_save, write_save
-from fsdptk.conversions import ConversionArg, quantized_layout, resolve_load
+from fsdptk.conversions import ConversionArg, quantized_layout
 from fsdptk.dcp import (
     dcp_to_safetensors,
     load_dcp,
@@ -62,43 +60,6 @@ PathLike = str | os.PathLike[str]
 
 # ----------------------------------------------------------------------------------------------
 # loading
-def _model_view(ckpt: SafetensorsCheckpoint, names: dict[str, str], bar: Any) -> RenamedSource:
-    """The checkpoint under model names (``names``: model name -> file key), read shard-on-read
-    (the engine's :class:`~fsdptk._engine.sources.RenamedSource` over the reader's slices),
-    counting each key's bytes on the progress bar on first read; read-only, nothing is released."""
-    seen: set[str] = set()
-
-    def count(key: str) -> None:
-        if key not in seen:
-            seen.add(key)
-            bar.update(ckpt.nbytes(names[key]))
-
-    return RenamedSource(ckpt, names, on_read=count)
-
-
-def _converted_view(ckpt: SafetensorsCheckpoint, model: nn.Module, conversion: ConversionArg, bar: Any
-                    ) -> tuple[Mapping[str, Any] | None, int]:
-    """The checkpoint under the model's keys through ``conversion`` (``None`` when it converts
-    nothing: every model key is one checkpoint tensor under its own name), and the bytes a full
-    read takes. Progress counts each checkpoint key's bytes on its first read."""
-    from fsdptk._engine.sources import as_source
-    from fsdptk._engine.sources.convert import ConvertedSource, Leaf
-
-    source = as_source(ckpt)
-    nodes = resolve_load(model, conversion, {k: source.meta(k) for k in ckpt})
-    if nodes is None or all(isinstance(n, Leaf) and n.key == k for k, n in nodes.items()):
-        return None, 0
-    seen: set[str] = set()
-
-    def count(key: str, _box: Any) -> None:
-        if key not in seen:
-            seen.add(key)
-            bar.update(ckpt.nbytes(key))
-
-    total = sum(ckpt.nbytes(k) for n in nodes.values() for k in set(n.files()))
-    return ConvertedSource(ckpt, nodes, on_read=count), total
-
-
 class _OpenView(NamedTuple):
     """What each rank tells the others as a load opens its checkpoint (the call's first exchange)."""
 
@@ -233,7 +194,7 @@ def load_safetensors(
         >>> torch.equal(dst.weight, src.weight)
         True
     """
-    from fsdptk.state_dict import load_from_full_model_state_dict
+    from fsdptk.state_dict import FileView, load_state
 
     path = Path(path)
     wait_for_pending(path)
@@ -241,40 +202,18 @@ def load_safetensors(
                                rename=rename, strict=strict, bucket_bytes=bucket_bytes)
     ckpt, shard_on_read = _open_agreed(path, shard_on_read, arguments)
     try:
-        names = run_agreed(lambda: rename_keys(ckpt.keys() if ckpt is not None else [], rename,
-                                               what="checkpoint key"), on=ckpt is not None)
-        bar_box: list[Any] = []
-        converted, converted_total = run_agreed(
-            lambda: _converted_view(ckpt, model, conversion, _Deferred(bar_box)) if ckpt is not None and rename is None
-            else (None, 0), on=True)
-        total = converted_total if converted is not None else (
-            sum(ckpt.nbytes(names[k]) for k in names) if ckpt is not None else 0)
-        with progress_bar(total, f"load {path.name}", progress) as bar:
-            bar_box.append(bar)
-            view: Mapping[str, Any] = {}
-            if converted is not None:
-                view = converted
-            elif ckpt is not None:
-                view = _model_view(ckpt, names, bar)
-            return load_from_full_model_state_dict(
-                model, view, infer_device(model) if device is None else torch.device(device),
-                strict=strict, cpu_offload=cpu_offload, release_sd=False,
-                broadcast_from_rank0=not shard_on_read, init_buffers=init_buffers,
-                bucket_bytes=bucket_size(bucket_bytes))
+        # the file's view (rename or conversion) is composed with the load's others in one place
+        # (fsdptk._plans.load_view), inside the load's pre-flight: its errors travel with the
+        # engine's one metadata exchange
+        with progress_bar(0, f"load {path.name}", progress) as bar:
+            return load_state(
+                model, ckpt if ckpt is not None else {}, infer_device(model) if device is None else torch.device(device),
+                strict=strict, cpu_offload=cpu_offload, release_sd=False, broadcast_from_rank0=not shard_on_read,
+                bucket_bytes=bucket_bytes, init_buffers=init_buffers, call="load_safetensors",
+                file=FileView(rename=rename, conversion=None if rename is not None else conversion, progress=bar))
     finally:
         if ckpt is not None:
             ckpt.close()
-
-
-class _Deferred:
-    """A progress bar opened after the view that reports to it is built."""
-
-    def __init__(self, box: list[Any]) -> None:
-        self.box = box
-
-    def update(self, n: int) -> None:
-        if self.box:
-            self.box[0].update(n)
 
 
 # ----------------------------------------------------------------------------------------------

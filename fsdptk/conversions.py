@@ -230,8 +230,11 @@ ConversionArg = Literal["auto"] | Conversion | None
 transformers model, none for any other), a :class:`Conversion`, or ``None`` (keys as they are)."""
 
 
-def resolve_load(model: Any, conversion: ConversionArg, metas: Mapping[str, Any]) -> dict[str, Node] | None:
-    """Model key -> node for a load of ``metas`` into ``model``; ``None`` reads keys as they are."""
+def resolve_load(model: Any, conversion: ConversionArg, metas: Mapping[str, Any], *,
+                 shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Node] | None:
+    """Model key -> node for a load of ``metas`` into ``model``; ``None`` reads keys as they are.
+    ``shapes``: the model's keys and shapes when not its own ``state_dict``'s (a PEFT model's base
+    model under the base checkpoint's keys)."""
     if conversion is None:
         return None
     if isinstance(conversion, Conversion):
@@ -246,14 +249,14 @@ def resolve_load(model: Any, conversion: ConversionArg, metas: Mapping[str, Any]
     from fsdptk._plans.hf_convert import quantization
 
     as_metas = {k: m if isinstance(m, TensorMeta) else TensorMeta(tuple(m[0]), m[1]) for k, m in metas.items()}
-    own = {k: tuple(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
+    own = dict(shapes) if shapes is not None else {k: tuple(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
     if quantization(model) is None and all(tuple(m.shape) == own.get(k) for k, m in as_metas.items()):
         # every checkpoint tensor is a model tensor of its shape: nothing to convert, and no need for
         # transformers' rule table (building it compiles every family's patterns: 0.16 s once per
         # process); a model key of another shape may be one transformers transposes (check_dims)
         return None
     try:
-        return hub_nodes(model, as_metas)
+        return hub_nodes(model, as_metas, shapes=own)
     except ConversionProblem as e:
         raise ConversionError(str(e)) from None
 

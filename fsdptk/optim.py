@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fsdptk import _engine
-from fsdptk._core.arguments import agree_arguments, arguments_view
+from fsdptk._core.arguments import arguments_view
 from fsdptk._core.calls import renamed_keywords
 from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.compat import local_tensor
@@ -177,7 +177,7 @@ def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int, retained
     """:func:`iter_full_optimizer_state`; ``retained``: the caller keeps every bucket; ``failed``:
     this rank's pre-flight error, raised on every rank by the engine's metadata exchange; ``call``
     and ``bucket_arg`` (the caller's ``bucket_bytes`` as passed): agreed across ranks first."""
-    agree_arguments(call, bucket_bytes=bucket_arg)
+    arguments = arguments_view(call, bucket_bytes=bucket_arg)  # agreed in the engine's one exchange
     names = [f"{STATE}.{fqn}.{key}" for fqn, key, _ in entries]
     items = [(n, v) for n, (_, _, v) in zip(names, entries) if isinstance(v, torch.Tensor)]
     last = {fqn: i for i, (fqn, _, _) in enumerate(entries)}  # index of each fqn's last entry
@@ -204,7 +204,8 @@ def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int, retained
 
     arrived: dict[str, torch.Tensor] = {}
     buckets = cast(Generator[list[tuple[str, torch.Tensor]], None, None],  # collect/distribute are generators (annotated Iterator in the engine)
-                   _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained, failed=failed))
+                   _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained, failed=failed,
+                                                  arguments=arguments))
     for bucket in buckets:
         try:
             arrived.update(bucket)

@@ -9,13 +9,13 @@ and gathering streams full tensors to rank 0 bucket by bucket. See ``docs/state_
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator, Mapping
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import nn
 
 from fsdptk import _engine
-from fsdptk._core.arguments import agree_arguments, arguments_view
+from fsdptk._core.arguments import arguments_view
 from fsdptk._core.compat import IncompatibleKeys as _IncompatibleKeys
 from fsdptk._core.dist import (
     check_comm_device,
@@ -25,7 +25,8 @@ from fsdptk._core.dist import (
 )
 from fsdptk._core.names import tensor_groups
 from fsdptk._engine import bucket_size
-from fsdptk._engine.sources import RenamedSource, aliased
+from fsdptk._engine.sources import RenamedSource
+from fsdptk._files.common import Rename
 from fsdptk._plans import peft as _peft
 from fsdptk._plans.buffers import (
     BufferView,
@@ -36,6 +37,7 @@ from fsdptk._plans.buffers import (
     move_real_nonpersistent,
     receive_buffers,
 )
+from fsdptk._plans.load_view import compose
 from fsdptk.buffers import BUFFER_INIT_HOOKS, BufferInit
 from fsdptk.errors import StateDictMismatchError
 
@@ -147,6 +149,29 @@ def load_from_full_model_state_dict(
         >>> model.weight.device.type, len(sd)
         ('cpu', 2)
     """
+    return load_state(model, full_sd, device, strict=strict, cpu_offload=cpu_offload, release_sd=release_sd,
+                      broadcast_from_rank0=broadcast_from_rank0, bucket_bytes=bucket_bytes,
+                      init_buffers=init_buffers, call="load_from_full_model_state_dict")
+
+
+class FileView(NamedTuple):
+    """How :func:`fsdptk.load_safetensors` sees its file: composed with the load's other views in
+    :func:`fsdptk._plans.load_view.compose`."""
+
+    rename: Rename = None  # checkpoint key -> model key; wins over the conversion
+    conversion: Any = None  # "auto", a Conversion, or None
+    progress: Any = None  # a tqdm bar: its total is set once the views know it, reads update it
+
+
+def load_state(model: nn.Module, full_sd: Mapping[str, Any] | None, device: torch.device | str, *, strict: bool,
+               cpu_offload: bool, release_sd: bool, broadcast_from_rank0: bool, bucket_bytes: int | None,
+               init_buffers: BufferInit | None, call: str, file: FileView | None = None) -> _IncompatibleKeys:
+    """:func:`load_from_full_model_state_dict`, and :func:`fsdptk.load_safetensors` with its
+    ``file`` view (rename or conversion, progress); ``call``: the public call, named when the ranks
+    disagree on an argument. The load's views are composed in one place
+    (:func:`fsdptk._plans.load_view.compose`) inside the pre-flight, so a conversion's error is
+    raised on every rank by the engine's one metadata exchange, before the model changes."""
+    file = file or FileView()
     reads = not broadcast_from_rank0 or is_rank0()
     error: Exception | None = None
     try:  # a bad argument on any rank is raised on every rank by the one metadata exchange below
@@ -158,9 +183,14 @@ def load_from_full_model_state_dict(
         dev = torch.device(device)
         nbytes = bucket_size(bucket_bytes)
         targets, aliases = _tensor_groups(model)
-        # a PEFT model reads a plain base checkpoint under its own keys (fsdptk._plans.peft)
-        viewed = _peft.base_view(model, {} if full_sd is None else full_sd)
-        source = aliased(viewed, aliases)
+        # file -> conversion or rename -> PEFT base keys -> aliases (fsdptk._plans.load_view)
+        bar = file.progress
+        view = compose(model, full_sd, aliases, rename=file.rename,
+                       conversion=file.conversion, on_read=None if bar is None else bar.update)
+        source, viewed = view.source, view.viewed
+        if bar is not None:
+            bar.total = view.total
+            bar.refresh()
         buffers_local = buffer_local(model, init_buffers)
     except Exception as e:  # noqa: BLE001 - agreed by the exchange just below
         error, targets, source, buffers_local = e, [], RenamedSource({}, {}), ({}, BufferView({}, {}, {}))
@@ -169,8 +199,7 @@ def load_from_full_model_state_dict(
     # ONE object exchange before data moves: this rank's argument error (if any) and the buffers'
     # views travel with the metadata
     plan = _engine.agree(targets, source, src_rank0=broadcast_from_rank0, extra=buffers_local[1],
-                         arguments=arguments_view("load_from_full_model_state_dict",
-                                                  broadcast_from_rank0=broadcast_from_rank0, strict=strict,
+                         arguments=arguments_view(call, broadcast_from_rank0=broadcast_from_rank0, strict=strict,
                                                   bucket_bytes=bucket_bytes),
                          failed=error)
     missing = [k for k in model.state_dict(keep_vars=True) if aliases.get(k, k) in plan.missing]
@@ -278,9 +307,9 @@ def _stream_state(model: nn.Module, bucket_bytes: int | None, adapter_weights_on
                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """:func:`iter_full_state_dict`; ``retained``: the caller keeps every bucket (see ``collect``);
     ``call``: the public call, named when the ranks disagree on an argument."""
-    # the arguments that change the exchange, agreed before it (one small object all-gather)
-    agree_arguments(call, bucket_bytes=bucket_bytes, adapter_weights_only=adapter_weights_only,
-                    is_adapter=is_adapter)
+    # the arguments that change the exchange travel in the engine's one metadata exchange
+    arguments = arguments_view(call, bucket_bytes=bucket_bytes, adapter_weights_only=adapter_weights_only,
+                               is_adapter=is_adapter)
     error: Exception | None = None
     try:  # a bad argument or a failing is_adapter on any rank: raised on every rank by the engine's
         # one metadata exchange
@@ -290,7 +319,8 @@ def _stream_state(model: nn.Module, bucket_bytes: int | None, adapter_weights_on
     except Exception as e:  # noqa: BLE001 - agreed by collect
         error, items, groups, bucket_bytes = e, [], {}, 1
     buckets = cast(Generator[list[tuple[str, torch.Tensor]], None, None],  # collect/distribute are generators (annotated Iterator in the engine)
-                   _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained, failed=error))
+                   _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained, failed=error,
+                                                  arguments=arguments))
     for bucket in buckets:
         try:
             yield [(k, t) for fqn, t in bucket for k in (fqn, *groups.get(fqn, ()))]

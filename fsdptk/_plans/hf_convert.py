@@ -113,11 +113,12 @@ def _index_template(keys: list[tuple[int, str]]) -> str | None:
     return ".".join(parts)
 
 
-def hub_nodes(model: nn.Module, metas: Mapping[str, TensorMeta], *, legacy: bool = True
-              ) -> dict[str, Node] | None:
+def hub_nodes(model: nn.Module, metas: Mapping[str, TensorMeta], *, legacy: bool = True,
+              shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Node] | None:
     """The checkpoint ``metas`` (key -> shape and dtype) under ``model``'s keys, as transformers'
     ``from_pretrained`` would convert it; ``None`` when transformers declares no conversion for
-    the model (its keys are read as they are).
+    the model (its keys are read as they are). ``shapes``: the model's keys and shapes when not
+    its own ``state_dict``'s (a PEFT model's base under the base checkpoint's keys).
 
     Raises:
         ConversionProblem: two checkpoint keys for one model key; tensors that do not stack (both
@@ -134,7 +135,8 @@ def hub_nodes(model: nn.Module, metas: Mapping[str, TensorMeta], *, legacy: bool
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {p: c for c in converters for p in c.source_patterns}
-    model_shapes = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+    model_shapes = (dict(shapes) if shapes is not None
+                    else {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()})
     prefix = getattr(model, "base_model_prefix", None) or None
     nodes: dict[str, Node] = {}
     origin: dict[str, str] = {}

@@ -130,7 +130,7 @@ def adapter_predicate(model: nn.Module) -> Callable[[str, torch.Tensor], bool] |
     return lambda _fqn, t: id(t) in ids
 
 
-def _base_model(model: nn.Module) -> nn.Module:
+def base_model(model: nn.Module) -> nn.Module:
     """The transformers (or other) model the tuners were injected into: ``get_base_model()`` of a
     ``PeftModel``, the model itself otherwise."""
     get = getattr(model, "get_base_model", None)
@@ -143,7 +143,7 @@ def _stand_ins(model: nn.Module) -> tuple[str, set[str]]:
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils.other import AuxiliaryTrainingWrapper
 
-    root = _base_model(model)
+    root = base_model(model)
     root_path, dropped = None, set()
     for name, mod in model.named_modules():
         if mod is root and root_path is None:
@@ -253,7 +253,7 @@ def adapter_config_json(model: nn.Module, adapter_name: str) -> tuple[Any, dict[
     from torch.distributed.fsdp import FSDPModule
 
     config = copy.deepcopy(require_adapter(model, adapter_name))
-    base = _base_model(model)
+    base = base_model(model)
     if config.base_model_name_or_path is None:
         config.base_model_name_or_path = base.__dict__.get("name_or_path", None) or None
     config.inference_mode = True
