@@ -70,14 +70,13 @@ def _hub_dir(root: Path, family: str) -> Path:
 
 def _meta_rows(source) -> list[tuple]:
     return [(m.name, str(m.dtype), tuple(m.shape), tuple(m.owners), tuple(m.mesh_shape),
-             tuple(repr(p) for p in m.placements)) for m in source.metadata]
+             None if m.placements is None else tuple(repr(p) for p in m.placements)) for m in source.metadata]
 
 
 def _stream(src: str, dims_kw: dict, owners, dtype: str | None, bucket_bytes: int) -> dict:
     """Every view of one source on this rank: metadata, owned names, iter_full, iter_local,
     iter_buckets."""
     from fsdptk import ParallelDims
-    from fsdptk._engine.layouts import layout_of
     from fsdptk.hf import from_pretrained, weight_source
 
     model = from_pretrained(src, dims=ParallelDims(**dims_kw))
@@ -87,19 +86,16 @@ def _stream(src: str, dims_kw: dict, owners, dtype: str | None, bucket_bytes: in
     full = list(source.iter_full())
     local = list(source.iter_local())
     buckets = [[(n, t.clone()) for n, t in b] for b in source.iter_buckets()]
-    held = {}  # fused experts tensor -> the experts (dim-0 rows) this rank holds
-    for key, t in model.state_dict(keep_vars=True).items():
-        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            box = layout_of(t).held_box()
-            held[key] = range(box[0].start, box[0].stop) if box is not None else range(0)
     return {"meta": _meta_rows(source), "owned": [source.owned_names(r) for r in range(world)],
-            "full": full, "local": [(n, t.clone()) for n, t in local], "buckets": buckets, "held": held}
+            "full": full, "local": [(n, t.clone()) for n, t in local], "buckets": buckets}
 
 
 def _expected_piece(full: torch.Tensor, meta: tuple, cell: int) -> torch.Tensor:
-    """The piece of ``full`` at row-major ``cell`` of the metadata's mesh, as its placements say
-    (``Shard(d)`` splitting like ``torch.chunk``)."""
+    """The piece of ``full`` at row-major ``cell`` of the record's mesh, as its placements say
+    (``Shard(d)`` splitting like ``torch.chunk``, the outer mesh axis first; none: whole)."""
     _, _, _, _, mesh_shape, placements = meta
+    if placements is None:
+        return full
     coords = []
     for n in reversed(mesh_shape):
         coords.append(cell % n)
@@ -115,41 +111,37 @@ def _expected_piece(full: torch.Tensor, meta: tuple, cell: int) -> torch.Tensor:
 
 
 def _check_source(results: list[dict], ref: dict[str, torch.Tensor], bucket_bytes: int) -> dict[str, int]:
-    """Everything the source promises, against the reference tensors; per placement kind, how many
-    Hub tensors had it (so a test can tell the local split was exercised)."""
-    world = len(results)
+    """Everything the source promises, against the reference tensors; how many Hub tensors had each
+    placement (so a test can tell the local split was exercised)."""
     meta = results[0]["meta"]
     assert all(r["meta"] == meta for r in results), "the metadata differs between ranks"
     owned = results[0]["owned"]
     assert all(r["owned"] == owned for r in results)
     names = [m[0] for m in meta]
     assert sorted(names) == sorted(ref), (sorted(set(names) ^ set(ref)))
-    assert sorted(n for o in owned for n in o) == sorted(names), "owned_names overlap or miss a name"
+    by_meta = {m[0]: m for m in meta}
+    assert sorted({n for o in owned for n in o}) == sorted(names), "a name no rank owns"
     union: dict[str, torch.Tensor] = {}
     for rank, r in enumerate(results):
+        assert owned[rank] == [m[0] for m in meta if rank in m[3]], "owned_names is not vLLM's definition"
         got = [n for n, _ in r["full"]]
         assert got == owned[rank], f"rank {rank} iter_full yields {got[:4]}..., owns {owned[rank][:4]}..."
-        assert got == [n for n in names if n in set(got)], "iter_full is not in metadata order"
         union.update(r["full"])
+        for name, t in r["full"]:
+            assert t.dtype == ref[name].dtype and torch.equal(t, ref[name]), (rank, name)
         flat = [(n, t) for b in r["buckets"] for n, t in b]
         assert [n for n, _ in flat] == got
         assert all(torch.equal(t, dict(r["full"])[n]) for n, t in flat)
         for b in r["buckets"]:
             assert len(b) <= 1 or sum(t.numel() * t.element_size() for _, t in b) <= bucket_bytes
-    for name, t in ref.items():
-        assert union[name].dtype == t.dtype and union[name].shape == t.shape, name
-        assert torch.equal(union[name], t), name
+        assert [n for n, _ in r["local"]] == owned[rank], "iter_local yields what the rank owns, in order"
+        for name, piece in r["local"]:
+            m = by_meta[name]
+            assert torch.equal(piece, _expected_piece(ref[name], m, m[3].index(rank))), (name, rank, m)
+    assert sorted(union) == sorted(ref)
     kinds: dict[str, int] = {}
-    by_meta = {m[0]: m for m in meta}
-    for name, m in by_meta.items():
-        owners = m[3]
-        for rank in range(world):
-            pieces = [t for n, t in results[rank]["local"] if n == name]
-            assert len(pieces) == (1 if rank in owners else 0), (name, rank, owners)
-        for cell, rank in enumerate(owners):
-            piece = dict(results[rank]["local"])[name]
-            assert torch.equal(piece, _expected_piece(ref[name], m, cell)), (name, cell, rank, m)
-        kind = "gathered" if len(owners) == 1 and m[4] == (1,) else "+".join(m[5])
+    for m in meta:
+        kind = "whole" if m[5] is None else "+".join(m[5])
         kinds[kind] = kinds.get(kind, 0) + 1
     return kinds
 
@@ -174,11 +166,13 @@ def llama(hub) -> Path:
 
 # ----------------------------------------------------------------------------------------------
 # the Hub layout, bit for bit, on every mesh
-CASES = [("llama", "fsdp2", 1, None), ("llama", "fsdp4", 4, None), ("llama", "tp", 1, "bfloat16"),
-         ("llama", "hsdp", 2, None), ("qwen3_moe", "fsdp4", 1, None), ("qwen3_moe", "tp", 4, None),
-         ("qwen3_moe", "hsdp", "host", None), ("qwen3_moe", "ep", 4, None), ("qwen3_moe", "ep", 1, "bfloat16"),
-         ("mixtral", "ep", 4, None), ("mixtral", "tp", 1, None), ("deepseek_v3", "fsdp4", 2, None),
-         ("deepseek_v3", "ep", 1, None), ("gpt_oss", "fsdp2", 2, None), ("gpt_oss", "tp", 4, "bfloat16")]
+CASES = [("llama", "fsdp2", 1, None), ("llama", "fsdp4", 4, None), ("llama", "fsdp4", "all", None),
+         ("llama", "tp", 1, "bfloat16"), ("llama", "tp", "all", None), ("llama", "hsdp", 2, None),
+         ("llama", "hsdp", "all", "bfloat16"), ("qwen3_moe", "fsdp4", 1, None), ("qwen3_moe", "tp", 4, None),
+         ("qwen3_moe", "tp", "all", None), ("qwen3_moe", "hsdp", "host", None), ("qwen3_moe", "ep", 4, None),
+         ("qwen3_moe", "ep", 1, "bfloat16"), ("qwen3_moe", "ep", "all", None), ("mixtral", "ep", 4, None),
+         ("mixtral", "tp", 1, None), ("deepseek_v3", "fsdp4", 2, None), ("deepseek_v3", "ep", 1, None),
+         ("gpt_oss", "fsdp2", 2, None), ("gpt_oss", "tp", 4, "bfloat16")]
 
 
 @pytest.mark.parametrize(("family", "mesh", "owners", "dtype"), CASES,
@@ -190,24 +184,21 @@ def test_union_of_owners_is_the_hub_checkpoint(world, hub, family, mesh, owners,
     results = world(n).run(_stream, str(src), dims_kw, owners, dtype, bucket_bytes, timeout=240)
     ref = {k: t.to(getattr(torch, dtype)) if dtype else t for k, t in _tensors(src).items()}
     kinds = _check_source(results, ref, bucket_bytes)
-    owned = results[0]["owned"]
-    expected_owners = [0] if owners == "host" else [w * n // owners for w in range(owners)]  # one host here
-    assert [r for r in range(n) if owned[r]] == expected_owners
-    if mesh.startswith("fsdp") and family == "llama":  # FSDP's Shard(0): a chunk split of most tensors
+    meta = results[0]["meta"]
+    if owners == "all":  # every rank owns every name, in rank order (vLLM's M2N engine)
+        assert all(m[3] == tuple(range(n)) for m in meta)
+    else:  # one owner per name: rank 0 (owners=1), W ranks spread over the world, one per host
+        writers = [0] if owners == "host" else [w * n // owners for w in range(owners)]
+        assert all(len(m[3]) == 1 and m[5] is None for m in meta)
+        assert sorted({m[3][0] for m in meta}) == writers
+    if owners == "all" and mesh == "fsdp4" and family == "llama":  # FSDP's Shard(0): pieces held
         assert kinds.get("Shard(dim=0)", 0) >= len(ref) // 2, kinds
-    if family == "qwen3_moe" and mesh in ("fsdp4", "ep"):  # each expert is held whole by one rank
-        # (experts Shard(0), one FSDP or EP rank each): declared there, and served without a gather
-        metas = {m[0]: m for m in results[0]["meta"]}
-        for layer in range(2):
-            for e in range(8):
-                for proj, fused in (("gate_proj", "gate_up_proj"), ("up_proj", "gate_up_proj"),
-                                    ("down_proj", "down_proj")):
-                    m = metas[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"]
-                    holders = [r for r, res in enumerate(results)
-                               if e in res["held"][f"model.layers.{layer}.mlp.experts.{fused}"]]
-                    assert m[4] == (1,) and len(m[3]) == 1 and m[3][0] in holders, (m, holders)
-    if mesh in ("tp", "hsdp") and family == "llama":  # 2-D meshes: pieces declared where they are
-        assert kinds.get("gathered", 0) < len(ref), kinds
+    if owners == "all" and mesh == "hsdp":
+        assert kinds.get("Replicate()+Shard(dim=0)", 0) >= len(ref) // 2, kinds
+    if owners == "all" and mesh == "tp":  # row-wise TP x FSDP (Shard(0), Shard(1)) are plain pieces
+        assert kinds.get("Shard(dim=0)+Shard(dim=1)", 0) >= 2, kinds
+    if family in ("qwen3_moe", "mixtral", "deepseek_v3"):
+        assert any(".experts.7." in k for k in ref)  # the Hub's per-expert tensors (gpt-oss ships fused ones)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,9 +313,11 @@ def _bad(src: str, case: str) -> tuple[str, str]:
 
 
 @pytest.mark.parametrize(("case", "kind", "needles"), [
-    ("dtype", "ValueError", ["dtype = ['None', 'torch.bfloat16', 'None', 'None']"]),
-    ("owners_and_bucket", "ValueError", ["owners = ['1', '1', '1', '2']", "bucket_bytes = ['None', 'None', '1024',"]),
-    ("owners_range", "ValueError", ["owners must be between 1 and the world size (4)", "got 7"]),
+    ("dtype", "ValueError", ["weight_source: the ranks disagree on dtype: ranks 0, 2, 3 passed None, "
+                             "rank 1 passed torch.bfloat16"]),
+    ("owners_and_bucket", "ValueError", ["on owners: ranks 0-2 passed 1, rank 3 passed 2",
+                                         "on bucket_bytes: ranks 0, 1, 3 passed None, rank 2 passed 1024"]),
+    ("owners_range", "ValueError", ["owners must be between 1 and the world size (4), 'host' or 'all'", "got 7"]),
     ("adapters", "TypeError", ["has no PEFT adapter"]),
     ("quantize", "ValueError", ["quantize must be None", "'fp8'"]),
 ])
@@ -338,7 +331,7 @@ def test_bad_or_disagreeing_arguments_are_named_on_every_rank(world, llama, case
 
 # ----------------------------------------------------------------------------------------------
 # PEFT: the adapter alone (PEFT's names) and merged into the base (merge_and_unload's names)
-def _peft_stream(src: str, adapters: str) -> dict:
+def _peft_stream(src: str, adapters: str, owners) -> dict:
     import copy
 
     import peft
@@ -355,14 +348,14 @@ def _peft_stream(src: str, adapters: str) -> dict:
     else:
         want = {k: t.detach().clone() for k, t in copy.deepcopy(model).merge_and_unload().state_dict().items()}
     shard_model(model, no_split_modules(model), cpu_offload=False)
-    source = weight_source(model, adapters=adapters, owners=dist.get_world_size())
+    source = weight_source(model, adapters=adapters, owners=owners)
     return {"want": want, "full": dict(source.iter_full()), "meta": _meta_rows(source),
             "local": [(n, t.clone()) for n, t in source.iter_local()]}
 
 
-@pytest.mark.parametrize("adapters", ["only", "merged"])
-def test_peft_adapters_only_and_merged_equal_peft_own(world, llama, adapters) -> None:
-    results = world(2).run(_peft_stream, str(llama), adapters, timeout=180)
+@pytest.mark.parametrize(("adapters", "owners"), [("only", "all"), ("merged", 2)])
+def test_peft_adapters_only_and_merged_equal_peft_own(world, llama, adapters, owners) -> None:
+    results = world(2).run(_peft_stream, str(llama), adapters, owners, timeout=180)
     want = results[0]["want"]
     if adapters == "merged":  # the tied / non-persistent entries save_pretrained leaves out
         want = {k: t for k, t in want.items() if k in _tensors(llama)}
@@ -384,28 +377,49 @@ def test_peft_adapters_only_and_merged_equal_peft_own(world, llama, adapters) ->
         for cell, rank in enumerate(m[3]):
             piece = dict(results[rank]["local"])[name]
             assert torch.equal(piece, _expected_piece(want[name], m, cell)), name
+    if owners == "all":  # FSDP's Shard(0) of the LoRA factors: pieces served where they are
+        assert sum(m[5] == ("Shard(dim=0)",) for m in meta.values()) >= len(meta) // 2
 
 
 def test_metadata_records_validate_like_vllm() -> None:
-    from torch.distributed.tensor import Replicate, Shard
+    from fsdptk.hf._weight_meta import ParamMeta, Replicate, Shard
 
-    from fsdptk.hf.weight_source import ParamMeta
-
-    ok = ParamMeta("w", torch.float32, (4, 2), owners=(2, 0), mesh_shape=(2,), placements=(Shard(1),))
-    assert ok.owners == (2, 0)
-    for kw, needle in [({"owners": ()}, "owners"), ({"mesh_shape": (3,)}, "do not fill"),
-                       ({"placements": (Shard(2),)}, "not a dim"), ({"placements": (Replicate(), Shard(0))}, "one placement")]:
-        args = {"owners": (0, 1), "mesh_shape": (2,), "placements": (Shard(0),), **kw}
+    ok = ParamMeta("w", torch.float32, [4, 2], owners=(2, 0), placements=(Shard(1),))
+    assert (ok.shape, ok.owners, ok.mesh_shape, ok.placements) == ((4, 2), (2, 0), (2,), (Shard(1),))
+    every = ParamMeta("w", torch.float32, (4, 2))
+    assert every.owners is None and every.mesh_shape is None and every.placements is None
+    replicated = ParamMeta("w", torch.float32, (4, 2), owners=(0, 1), placements=(Replicate(),))
+    assert replicated.placements is None  # all-Replicate is the whole tensor, as vLLM normalizes it
+    for kw, needle in [({"owners": ()}, "owners must be distinct"), ({"owners": (0, 0)}, "owners must be distinct"),
+                       ({"mesh_shape": (3,)}, "does not cover its 2 owners"),
+                       ({"placements": (Shard(2),)}, "shards dim 2 of a 2-D tensor"),
+                       ({"placements": (Replicate(), Shard(0))}, "2 placements for a 1-D mesh")]:
+        args = {"owners": (0, 1), "placements": (Shard(0),), **kw}
         with pytest.raises(ValueError, match=needle) as info:
             ParamMeta("layers.0.w", torch.float32, (4, 2), **args)
         assert "'layers.0.w'" in str(info.value)
+    with pytest.raises(ValueError, match="without owners"):
+        ParamMeta("w", torch.float32, (4, 2), placements=(Shard(0),))
+    with pytest.raises(TypeError, match="neither Replicate nor Shard"):
+        ParamMeta("w", torch.float32, (4, 2), owners=(0,), placements=("Shard(0)",))
 
 
 _FAKE_VLLM_BASE = """
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
+
+
+@dataclass(frozen=True)
+class Replicate:
+    pass
+
+
+@dataclass(frozen=True)
+class Shard:
+    dim: int
 
 
 @dataclass(frozen=True)
@@ -413,20 +427,29 @@ class ParamMeta:
     name: str
     dtype: torch.dtype
     shape: tuple
-    owners: tuple = field(kw_only=True)
-    mesh_shape: tuple = field(kw_only=True)
-    placements: tuple = field(kw_only=True)
+    owners: tuple = field(default=None, kw_only=True)
+    mesh_shape: tuple = field(default=None, kw_only=True)
+    placements: tuple = field(default=None, kw_only=True)
 
 
 class WeightSource(ABC):
-    @abstractmethod
-    def owned_names(self, rank): ...
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not isinstance(cls.__dict__.get("metadata"), (cached_property, type(None))):
+            raise TypeError("metadata must be a functools.cached_property")
 
+    @property
     @abstractmethod
-    def iter_full(self): ...
+    def metadata(self): ...
 
-    @abstractmethod
-    def iter_local(self): ...
+    def owned_names(self, rank):
+        return [m.name for m in self.metadata if m.owners is None or rank in m.owners]
+
+    def iter_full(self):
+        raise NotImplementedError
+
+    def iter_local(self):
+        raise NotImplementedError
 """
 
 _PROBE = """

@@ -1,12 +1,11 @@
 """The records and the placement math of :func:`fsdptk.hf.weight_source` (no communication here).
 
-- :class:`ParamMeta`: fsdptk's own frozen record with the fields of vLLM 0.33's ``ParamMeta``
-  (``name, dtype, shape, *, owners, mesh_shape, placements``), used when vLLM is not importable;
-  :func:`vllm_classes` finds vLLM's ``WeightSource`` and ``ParamMeta`` when it is (imported here,
-  lazily, and nowhere else in fsdptk).
-- :func:`chunk_grid`: whether the pieces of one Hub tensor that the ranks already hold are a plain
-  ``torch.chunk`` split (one or more dims, replicas allowed), and as which owners, mesh shape and
-  placements.
+- :class:`ParamMeta`, :class:`Shard`, :class:`Replicate`: fsdptk's own frozen records with the
+  fields and validation of vLLM 0.33's (``ParamMeta(name, dtype, shape, *, owners, mesh_shape,
+  placements)``), used when vLLM is not importable; :func:`record_types` gives vLLM's own classes
+  when it is (imported there, lazily, and nowhere else in fsdptk).
+- :func:`rank_grid`: whether the pieces of one Hub tensor that the ranks already hold are a
+  ``torch.chunk`` split over the ranks in rank order, and under which placements.
 - :func:`box_pieces`: a model tensor's local piece at its box cut into the Hub tensors' pieces,
   through a conversion's nodes (the box-wise form of ``Node.split``).
 """
@@ -14,90 +13,130 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
 
 from fsdptk._engine.layouts import Box
 from fsdptk._engine.sources.convert import Concatenated, Leaf, Node, Stacked, Transposed
 
-__all__ = ["ParamMeta", "chunk_grid", "box_pieces", "splittable", "vllm_classes"]
+__all__ = ["ParamMeta", "Shard", "Replicate", "RecordTypes", "record_types", "rank_grid", "box_pieces", "splittable"]
 
-Placement = Shard | Replicate
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every coordinate along this mesh axis holds the whole extent (vLLM's ``Replicate``)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This mesh axis splits tensor dim ``dim`` the way ``torch.chunk`` does (vLLM's ``Shard``)."""
+
+    dim: int
+
+
+Placement = Replicate | Shard
 
 
 @dataclass(frozen=True)
 class ParamMeta:
-    """One Hub tensor of a weight source: vLLM 0.33's ``ParamMeta`` fields, validated.
+    """One Hub tensor of a weight source, with the fields and validation of vLLM 0.33's ``ParamMeta``
+    (used where vLLM is not importable; vLLM's own class is used where it is).
 
-    ``owners`` are the ranks laid out row-major over ``mesh_shape`` (``len(owners) ==
-    prod(mesh_shape)``); ``placements`` has one ``Shard(d)`` or ``Replicate()`` per mesh dim, a
-    ``Shard(d)`` splitting tensor dim ``d`` like ``torch.chunk``. A tensor served whole by one rank
-    is ``owners=(r,), mesh_shape=(1,), placements=(Replicate(),)``.
+    Attributes:
+        name: the Hub checkpoint's name.
+        dtype: the dtype the tensor is yielded in.
+        shape: its full shape.
+        owners: the ranks that yield it (in ``iter_full`` and ``iter_local`` alike), in mesh order;
+            ``None``: every rank.
+        mesh_shape: row-major shape of the mesh over ``owners`` (default ``(len(owners),)``).
+        placements: one :class:`Replicate` or :class:`Shard` per mesh axis: what ``iter_local``
+            yields on each owner (``Shard`` splits like ``torch.chunk``, the outer mesh axis first
+            when two axes shard one dim); ``None`` (and all-``Replicate``): the whole tensor.
 
     Raises:
-        TypeError / ValueError: a bad field, naming the parameter and the value.
+        ValueError: bad owners, a mesh that does not cover them, placements that do not fit the
+            mesh or the tensor (naming the parameter).
+        TypeError: a placement that is neither :class:`Replicate` nor :class:`Shard`.
 
     Examples:
         >>> import torch
-        >>> from torch.distributed.tensor import Shard
-        >>> m = ParamMeta("w", torch.float32, (4, 2), owners=(0, 1), mesh_shape=(2,), placements=(Shard(0),))
-        >>> m.owners, m.placements
-        ((0, 1), (Shard(dim=0),))
-        >>> ParamMeta("w", torch.float32, (4, 2), owners=(0, 0), mesh_shape=(2,), placements=(Shard(0),))
+        >>> m = ParamMeta("w", torch.float32, (4, 2), owners=(0, 1), placements=(Shard(0),))
+        >>> m.mesh_shape, m.placements
+        ((2,), (Shard(dim=0),))
+        >>> ParamMeta("w", torch.float32, (4, 2), owners=(0, 0))
         Traceback (most recent call last):
-        ValueError: ParamMeta 'w': owners must be distinct ranks >= 0, got (0, 0)
+        ValueError: parameter 'w' owners must be distinct non-negative ranks, got (0, 0)
     """
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    owners: tuple[int, ...] = (0,)
-    mesh_shape: tuple[int, ...] = (1,)
-    placements: tuple[Placement, ...] = (Replicate(),)
+    owners: tuple[int, ...] | None = field(default=None, kw_only=True)
+    mesh_shape: tuple[int, ...] | None = field(default=None, kw_only=True)
+    placements: tuple[Placement, ...] | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise TypeError(f"ParamMeta name must be a non-empty str, got {self.name!r}")
-        where = f"ParamMeta {self.name!r}"
-        if not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"{where}: dtype must be a torch.dtype, got {self.dtype!r}")
-        if not isinstance(self.shape, tuple) or not all(_nat(n) for n in self.shape):
-            raise TypeError(f"{where}: shape must be a tuple of ints >= 0, got {self.shape!r}")
-        if (not isinstance(self.owners, tuple) or not self.owners or not all(_nat(r) for r in self.owners)
-                or len(set(self.owners)) != len(self.owners)):
-            raise ValueError(f"{where}: owners must be distinct ranks >= 0, got {self.owners!r}")
-        if (not isinstance(self.mesh_shape, tuple) or not self.mesh_shape
-                or not all(_nat(n) and n > 0 for n in self.mesh_shape)):
-            raise ValueError(f"{where}: mesh_shape must be a non-empty tuple of ints > 0, got {self.mesh_shape!r}")
-        if math.prod(self.mesh_shape) != len(self.owners):
-            raise ValueError(f"{where}: {len(self.owners)} owners do not fill mesh_shape {self.mesh_shape}")
-        if not isinstance(self.placements, tuple) or len(self.placements) != len(self.mesh_shape):
-            raise ValueError(f"{where}: placements must be a tuple of one placement per mesh dim "
-                             f"({len(self.mesh_shape)}), got {self.placements!r}")
-        for p in self.placements:
-            if isinstance(p, Shard) and type(p) is Shard:
-                if not 0 <= p.dim < len(self.shape):
-                    raise ValueError(f"{where}: {p} is not a dim of shape {self.shape}")
-            elif not isinstance(p, Replicate):
-                raise ValueError(f"{where}: placements may be Shard(d) or Replicate(), got {p!r}")
+        object.__setattr__(self, "shape", tuple(self.shape))
+        if self.owners is None:
+            if self.mesh_shape is not None or self.placements is not None:
+                raise ValueError(f"parameter {self.name!r} declares a mesh or placements without owners")
+            return
+        owners = tuple(self.owners)
+        if (not owners or any(not isinstance(r, int) or isinstance(r, bool) for r in owners) or min(owners) < 0
+                or len(set(owners)) != len(owners)):
+            raise ValueError(f"parameter {self.name!r} owners must be distinct non-negative ranks, got {self.owners}")
+        mesh_shape = tuple((len(owners),) if self.mesh_shape is None else self.mesh_shape)
+        if any(d <= 0 for d in mesh_shape) or math.prod(mesh_shape) != len(owners):
+            raise ValueError(f"parameter {self.name!r} mesh_shape {mesh_shape} does not cover its "
+                             f"{len(owners)} owners")
+        placements = self.placements
+        if placements is not None:
+            placements = tuple(placements)
+            if len(placements) != len(mesh_shape):
+                raise ValueError(f"parameter {self.name!r} has {len(placements)} placements for a "
+                                 f"{len(mesh_shape)}-D mesh")
+            for p in placements:
+                if isinstance(p, Shard):
+                    if not 0 <= p.dim < len(self.shape):
+                        raise ValueError(f"parameter {self.name!r} shards dim {p.dim} of a "
+                                         f"{len(self.shape)}-D tensor")
+                elif not isinstance(p, Replicate):
+                    raise TypeError(f"parameter {self.name!r} placement {p!r} is neither Replicate nor Shard")
+            if all(isinstance(p, Replicate) for p in placements):
+                placements = None
+        object.__setattr__(self, "owners", owners)
+        object.__setattr__(self, "mesh_shape", mesh_shape)
+        object.__setattr__(self, "placements", placements)
 
 
-def _nat(n: object) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 0
+class RecordTypes(NamedTuple):
+    """The classes a source's records are made of: vLLM's where vLLM is importable, else fsdptk's."""
+
+    base: type | None  # vLLM's WeightSource (the source's base class), or None
+    meta: type
+    shard: type
+    replicate: type
 
 
-def vllm_classes() -> tuple[type, type] | None:
-    """``(vllm WeightSource, vllm ParamMeta)`` when vLLM is importable, else ``None`` (nothing is
-    imported when ``importlib.util.find_spec("vllm")`` finds nothing)."""
+def record_types() -> RecordTypes:
+    """vLLM's ``WeightSource``, ``ParamMeta``, ``Shard`` and ``Replicate`` when vLLM is importable,
+    else fsdptk's own (nothing is imported when ``importlib.util.find_spec("vllm")`` finds nothing;
+    this is the only place fsdptk imports vLLM).
+
+    Examples:
+        >>> record_types().meta.__name__
+        'ParamMeta'
+    """
+    import importlib
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        return None
+        return RecordTypes(None, ParamMeta, Shard, Replicate)
     base = importlib.import_module("vllm.distributed.weight_transfer.base")  # only here, only when installed
-    return base.WeightSource, base.ParamMeta
+    return RecordTypes(base.WeightSource, base.ParamMeta, base.Shard, base.Replicate)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,73 +147,69 @@ def _chunk_spans(n: int, k: int) -> list[tuple[int, int]]:
     return [(i * step, min((i + 1) * step, n)) for i in range(k) if i * step < n]
 
 
-def chunk_grid(shape: Sequence[int], boxes: Mapping[int, Box], prefer: int | None = None
-               ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Placement, ...]] | None:
-    """``(owners, mesh_shape, placements)`` when the boxes the ranks hold (``rank -> box`` of one
-    Hub tensor) are a ``torch.chunk`` split of it along one or more dims, every piece held by some
-    rank; else ``None``. Of the replicas of a piece the owner is ``prefer`` when it holds it, else
-    the lowest rank. Empty boxes are ignored.
+def _piece(box: Box) -> tuple[tuple[int, int], ...] | None:
+    """A box as ``(start, stop)`` spans, ``None`` when it is empty."""
+    spans = tuple((b.start, b.stop) for b in box)
+    return None if any(a >= b for a, b in spans) else spans
+
+
+def rank_grid(shape: Sequence[int], boxes: Sequence[Box | None], mesh_shape: Sequence[int]
+              ) -> tuple[int, ...] | None:
+    """The placements (per mesh axis: the tensor dim it shards, ``-1`` when it replicates) under which
+    rank ``r``'s piece of a tensor of ``shape`` is ``boxes[r]``, the ranks laid out row-major over
+    ``mesh_shape`` in rank order and each ``Shard`` splitting like ``torch.chunk`` (the outer axis
+    first when two shard one dim); ``None`` when no placements give exactly those pieces (a rank
+    without a piece, a strided box, uneven splits that are not ``torch.chunk``'s).
 
     Examples:
-        >>> rows = {r: (slice(2 * r, 2 * r + 2), slice(0, 3)) for r in range(4)}
-        >>> chunk_grid((8, 3), rows)
-        ((0, 1, 2, 3), (4,), (Shard(dim=0),))
-        >>> whole = {1: (slice(0, 8), slice(0, 3)), 3: (slice(0, 8), slice(0, 3))}
-        >>> chunk_grid((8, 3), whole, prefer=3)
-        ((3,), (1,), (Replicate(),))
-        >>> chunk_grid((8, 3), {0: (slice(0, 5), slice(0, 3)), 1: (slice(5, 8), slice(0, 3))}) is None
-        True
+        >>> rows = [(slice(2 * r, 2 * r + 2), slice(0, 3)) for r in range(4)]
+        >>> rank_grid((8, 3), rows, (4,)), rank_grid((8, 3), rows, (2, 2))
+        ((0,), (0, 0))
+        >>> hsdp = [(slice(4 * (r % 2), 4 * (r % 2) + 4), slice(0, 3)) for r in range(4)]
+        >>> rank_grid((8, 3), hsdp, (2, 2)), rank_grid((8, 3), hsdp, (4,))
+        ((-1, 0), None)
     """
-    holders: dict[tuple[tuple[int, int], ...], list[int]] = {}
-    for r in sorted(boxes):
-        box = boxes[r]
-        if len(box) != len(shape) or not all(isinstance(b, slice) for b in box):
+    n = len(boxes)
+    if math.prod(mesh_shape) != n or not n:
+        return None
+    pieces = []
+    for b in boxes:
+        if b is None or len(b) != len(shape) or not all(isinstance(x, slice) for x in b):
             return None
-        spans = tuple((b.start, b.stop) for b in box)
-        if any(a >= b for a, b in spans):
-            continue
-        holders.setdefault(spans, []).append(r)
-    if not holders:
-        return None
-    split: list[tuple[int, list[tuple[int, int]]]] = []
-    for d, n in enumerate(shape):
-        seen = sorted({spans[d] for spans in holders})
-        if len(seen) == 1:
-            if seen[0] != (0, n):
-                return None
-            continue
-        if seen != _chunk_spans(n, len(seen)):
+        pieces.append(_piece(b))
+    coords = [_unravel(r, mesh_shape) for r in range(n)]
+    rank_of = {c: r for r, c in enumerate(coords)}
+    dims: list[int] = []
+    for j in range(len(mesh_shape)):
+        differ: set[int] = set()
+        for r, c in enumerate(coords):
+            mine, other = pieces[r], pieces[rank_of[c[:j] + (0,) + c[j + 1:]]]
+            if c[j] and mine is not None and other is not None:
+                differ |= {d for d in range(len(shape)) if mine[d] != other[d]}
+        if len(differ) > 1:
             return None
-        split.append((d, seen))
-    if math.prod(len(s) for _, s in split) != len(holders):
-        return None
-
-    def pick(spans: tuple[tuple[int, int], ...]) -> int:
-        ranks = holders[spans]
-        return prefer if prefer in ranks else ranks[0]
-
-    if not split:
-        (only,) = holders
-        return (pick(only),), (1,), (Replicate(),)
-    owners: list[int] = []
-    for cell in _cells([len(s) for _, s in split]):
-        at = [(0, n) for n in shape]
-        for (d, seen), i in zip(split, cell):
-            at[d] = seen[i]
-        owners.append(pick(tuple(at)))
-    if len(set(owners)) != len(owners):
-        return None
-    return tuple(owners), tuple(len(s) for _, s in split), tuple(Shard(d) for d, _ in split)
+        dims.append(differ.pop() if differ else -1)
+    for r, c in enumerate(coords):
+        want: list[tuple[int, int] | None] = [(0, size) for size in shape]
+        for j, d in enumerate(dims):
+            span = want[d] if d >= 0 else None
+            if span is None:
+                continue
+            chunks = _chunk_spans(span[1] - span[0], mesh_shape[j])
+            want[d] = (span[0] + chunks[c[j]][0], span[0] + chunks[c[j]][1]) if c[j] < len(chunks) else None
+        expected = None if any(w is None for w in want) else tuple(w for w in want if w is not None)
+        if expected != pieces[r]:
+            return None
+    return tuple(dims)
 
 
-def _cells(sizes: list[int]) -> Iterator[tuple[int, ...]]:
-    """Row-major coordinates of a grid of ``sizes``."""
-    if not sizes:
-        yield ()
-        return
-    for i in range(sizes[0]):
-        for rest in _cells(sizes[1:]):
-            yield (i, *rest)
+def _unravel(r: int, mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """Row-major coordinates of rank ``r`` on a mesh of ``mesh_shape``."""
+    out = []
+    for size in reversed(mesh_shape):
+        out.append(r % size)
+        r //= size
+    return tuple(reversed(out))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,12 +4,13 @@
 The names, shapes and tensors are exactly what :func:`fsdptk.save_safetensors` writes (the same
 items, the same conversion to the Hub layout, the same engine ``collect``): a save whose consumer
 hands each bucket to an engine instead of a file. Every full tensor travels point to point to its
-one owner (rank 0, or the ranks ``owners`` names, assigned as the writers of
+owner (rank 0, or the ranks ``owners`` names, assigned as the writers of
 ``save_safetensors(writers=W)`` are); the per-bucket status agreement of the engine keeps the ranks
-in step however slowly an owner consumes. Hub tensors that the ranks already hold as a plain
-``torch.chunk`` split of a DTensor (FSDP's ``Shard(0)``, TP's shards, whole experts under EP) are
-declared with those owners, mesh shape and placements, and :meth:`HubWeightSource.iter_local`
-yields them without any communication.
+in step however slowly an owner consumes. With ``owners="all"`` (every rank owns every name, as
+vLLM's M2N engine needs) the Hub tensors that the ranks already hold as a ``torch.chunk`` split of
+a DTensor in rank order (FSDP's ``Shard(0)``, row-wise TP x FSDP, HSDP) are declared with that mesh
+shape and those placements, and :meth:`HubWeightSource.iter_local` yields them without any
+communication.
 """
 
 from __future__ import annotations
@@ -22,27 +23,20 @@ import torch
 from torch import nn
 
 from fsdptk import _engine
+from fsdptk._core.arguments import arguments_view
 from fsdptk._core.compat import local_tensor
-from fsdptk._core.dist import all_gather_object, error_payload, host_key, raise_lowest
+from fsdptk._core.dist import all_gather_object, error_payload, host_key, raise_if_any, raise_lowest
 from fsdptk._core.dist import world as _world
 from fsdptk._engine.agree import fingerprint
 from fsdptk._engine.layouts import Box
 from fsdptk._engine.sources.convert import Unconverter
-from fsdptk.hf._weight_layout import (
-    Arguments,
-    Layout,
-    SourceView,
-    assign,
-    check_arguments,
-    held,
-    raise_disagreement,
-)
-from fsdptk.hf._weight_meta import ParamMeta, box_pieces, vllm_classes
+from fsdptk.hf._weight_layout import Layout, SourceView, assign, check, held, raise_disagreement
+from fsdptk.hf._weight_meta import ParamMeta, RecordTypes, box_pieces, record_types
 from fsdptk.hf._weight_plan import Items, Plan, plan_items
 
 __all__ = ["weight_source", "HubWeightSource", "ParamMeta"]
 
-Owners = int | Literal["host"]
+Owners = int | Literal["host", "all"]
 Bucket = list[tuple[str, torch.Tensor]]
 
 
@@ -53,27 +47,30 @@ class HubWeightSource:
     (every rank iterates each pass to its end) and each pass reads the model's current weights.
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, layout: Layout, bucket_bytes: int,
-                 meta_cls: type | None) -> None:
+    def __init__(self, model: nn.Module, plan: Plan, layout: Layout, bucket_bytes: int, types: RecordTypes) -> None:
         self._model, self._plan, self._layout = model, plan, layout
         self._bucket_bytes = bucket_bytes
-        self._meta_cls = meta_cls
+        self._types = types
 
     # -- metadata -------------------------------------------------------------------------------
     @cached_property
     def metadata(self) -> list[Any]:
         """Every Hub tensor, in iteration order: ``ParamMeta(name, dtype, shape, *, owners,
-        mesh_shape, placements)`` (vLLM's class when vLLM is importable), the same on every rank."""
-        cls = self._meta_cls or ParamMeta
+        mesh_shape, placements)`` (vLLM's classes when vLLM is importable), the same on every rank."""
+        types, layout = self._types, self._layout
         out = []
         for name, dtype, shape in self._plan.hub:
-            owners, mesh_shape, placements = self._layout.split.get(
-                name, ((self._layout.owner[name],), (1,), (_replicate(),)))
-            out.append(cls(name, dtype, shape, owners=owners, mesh_shape=mesh_shape, placements=placements))
+            mesh_shape, placements = None, None
+            if name in layout.grids:
+                mesh_shape, dims = layout.grids[name]
+                placements = tuple(types.shard(d) if d >= 0 else types.replicate() for d in dims)
+            out.append(types.meta(name, dtype, shape, owners=layout.owners[name], mesh_shape=mesh_shape,
+                                  placements=placements))
         return out
 
     def owned_names(self, rank: int) -> list[str]:
-        """The Hub names :meth:`iter_full` yields on ``rank``, in metadata order.
+        """The Hub names ``rank`` yields (in both modes), in metadata order: those whose record lists
+        it in ``owners`` (vLLM's definition).
 
         Raises:
             ValueError: ``rank`` is not a rank of the world (names it).
@@ -81,11 +78,11 @@ class HubWeightSource:
         world = _world()[0]
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
             raise ValueError(f"rank must be an int in [0, {world}), got {rank!r}")
-        return [name for name, _, _ in self._plan.hub if self._layout.owner[name] == rank]
+        return [name for name, _, _ in self._plan.hub if rank in self._layout.owners[name]]
 
     # -- iteration --------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """:meth:`iter_full` (what an older vLLM ``WeightSource`` iterates)."""
+        """:meth:`iter_full`."""
         return self.iter_full()
 
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -94,13 +91,7 @@ class HubWeightSource:
         Collective: every rank drives it to the end. ``.throw(exc)`` into it on one rank raises
         ``exc`` on every rank at the next bucket boundary.
         """
-        gen = cast(Generator[Bucket, None, None], self.iter_buckets())
-        for bucket in gen:
-            for pair in bucket:
-                try:
-                    yield pair
-                except Exception as e:  # noqa: BLE001 - agreed by the engine
-                    gen.throw(e)
+        return _flatten(self.iter_buckets())
 
     def iter_buckets(self) -> Iterator[Bucket]:
         """Lists of ``(name, tensor)`` of at most ``bucket_bytes`` (a larger tensor alone) on the
@@ -108,40 +99,57 @@ class HubWeightSource:
         return self._stream(list(range(len(self._plan.keys))), names=None)
 
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Each Hub tensor as this rank's piece, as its metadata's placements say: first the pieces
-        this rank already holds (views of its shards, or cast copies; no communication), then the
-        tensors declared with one owner, gathered to it. Collective: every rank iterates to the end.
+        """Each Hub tensor this rank owns as its piece, as its record's placements say, in metadata
+        order. With ``owners="all"`` the pieces a rank already holds (``mesh_shape`` and
+        ``placements`` in the record) are views of its shards, or cast copies, moved by no one; every
+        other tensor is whole on every rank (gathered to each). With one owner per name it is
+        :meth:`iter_full`. Collective: every rank iterates to the end.
         """
-        plan, layout = self._plan, self._layout
-        rank = _world()[1]
-        failed: BaseException | None = None
-        try:
-            yield from self._local_pieces(rank)
-        except Exception as e:  # noqa: BLE001 - the caller's .throw(e): raised on every rank below
-            failed = e
-        gathered = {n for n, _, _ in plan.hub if n not in layout.split}
-        keep = [i for i, k in enumerate(plan.keys) if gathered & set(plan.item_hub[k])]
-        yield from _flatten(self._stream(keep, names=gathered, failed=failed))
+        if not self._layout.grids:
+            return self.iter_full()
+        return self._iter_pieces()
 
-    def _local_pieces(self, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    def _iter_pieces(self) -> Iterator[tuple[str, torch.Tensor]]:
+        plan, grids = self._plan, self._layout.grids
+        pending = self._local_pieces()
+        gathered = {n for n, _, _ in plan.hub if n not in grids}
+        keep = [i for i, k in enumerate(plan.keys) if gathered & set(plan.item_hub[k])]
+        gen = cast(Generator[Bucket, None, None], self._stream(keep, names=gathered))
+        for bucket in gen:
+            for name, t in bucket:
+                while pending and pending[0][0] < plan.order[name]:
+                    try:
+                        yield pending.pop(0)[1:]
+                    except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the engine
+                        gen.throw(e)
+                try:
+                    yield name, t
+                except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the engine
+                    gen.throw(e)
+        failed: BaseException | None = None
+        for _, name, piece in pending:  # after the last gathered tensor: agreed once more below
+            if failed is None:
+                try:
+                    yield name, piece
+                except Exception as e:  # noqa: BLE001 - the caller's .throw(e): raised on every rank
+                    failed = e
+        raise_if_any(failed)
+
+    def _local_pieces(self) -> list[tuple[int, str, torch.Tensor]]:
+        """``(metadata index, name, piece)`` of every split Hub tensor, from this rank's shards."""
         plan, layout = self._plan, self._layout
-        mine = {n for n, (owners, _, _) in layout.split.items() if rank in owners}
-        items = self._items()
         out: list[tuple[int, str, torch.Tensor]] = []
-        order = plan.order
-        for i, (key, t) in enumerate(items):
+        for i, (key, t) in enumerate(self._items()):
             box = layout.boxes[i]
-            if box is None or not mine & set(plan.item_hub[key]):
+            if box is None or not set(layout.grids) & set(plan.item_hub[key]):
                 continue
             local = local_tensor(t).detach()
             node = plan.nodes.get(plan.conv_key[key]) if plan.nodes is not None else None
-            pieces = (box_pieces(node, box, local) if node is not None
-                      else [(plan.conv_key[key], box, local)])
+            pieces = box_pieces(node, box, local) if node is not None else [(plan.conv_key[key], box, local)]
             for name, _, piece in pieces:
-                if name in mine:
-                    out.append((order[name], name, piece.to(plan.dtypes[key])))
-        for _, name, piece in sorted(out, key=lambda x: x[0]):
-            yield name, piece
+                if name in layout.grids:
+                    out.append((plan.order[name], name, piece.to(plan.dtypes[key])))
+        return sorted(out, key=lambda x: x[0])
 
     def _items(self) -> Items:
         """The model's current tensors of the planned keys (a fresh pass reads the current weights)."""
@@ -156,19 +164,20 @@ class HubWeightSource:
             out.append((key, t))
         return out
 
-    def _stream(self, keep: list[int], names: set[str] | None, failed: BaseException | None = None
-                ) -> Iterator[Bucket]:
-        """Gather items ``keep`` to their owners, bucket by bucket, and turn each into its Hub
-        tensors (``names``: only those; ``None``: all)."""
-        plan = self._plan
+    def _stream(self, keep: list[int], names: set[str] | None) -> Iterator[Bucket]:
+        """Gather items ``keep`` to their owners (each to every one of its ranks), bucket by bucket,
+        and turn each into its Hub tensors (``names``: only those; ``None``: all)."""
+        plan, layout = self._plan, self._layout
         items: Items = []
+        dests: list[int] = []
+        failed: BaseException | None = None
         try:
-            if failed is None:
-                every = self._items()
-                items = [every[i] for i in keep]
+            every = self._items()
+            for i in keep:
+                items += [every[i]] * len(layout.dests[i])
+                dests += layout.dests[i]
         except Exception as e:  # noqa: BLE001 - agreed by collect's exchange
-            failed = e
-        dests = [self._layout.dests[i] for i in keep] if failed is None else []
+            failed, items, dests = e, [], []
         buckets = cast(Generator[Bucket, None, None],
                        _engine.collect(items, bucket_bytes=self._bucket_bytes, dest=dests, failed=failed))
         hub = _ToHub(plan)
@@ -246,12 +255,6 @@ def _flatten(buckets: Iterator[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
                 gen.throw(e)
 
 
-def _replicate() -> Any:
-    from torch.distributed.tensor import Replicate
-
-    return Replicate()
-
-
 # ----------------------------------------------------------------------------------------------
 # the public call
 def weight_source(
@@ -272,18 +275,22 @@ def weight_source(
     for transformers' fused experts, a tied tensor once, NF4 weights dequantized. The source has:
 
     - ``metadata`` (a cached property): one ``ParamMeta(name, dtype, shape, *, owners, mesh_shape,
-      placements)`` per Hub tensor, the same on every rank. A Hub tensor the ranks already hold as
-      a ``torch.chunk`` split of a DTensor is declared with the ranks holding its pieces (one per
-      piece, row-major over ``mesh_shape``) and ``Shard(d)`` / ``Replicate()`` placements; every
-      other one with a single owner, the rank it is gathered to.
-    - ``owned_names(rank)``: the names ``iter_full`` yields on ``rank``; their union is every name.
-    - ``iter_full()``: each owned name as a full CPU tensor in metadata order; nothing on the other
-      ranks. Each tensor is gathered point to point to its owner only (never an all-gather), so a
-      rank holds at most its shards plus about two buckets.
-    - ``iter_local()``: each name as this rank's piece as the metadata says (see
-      :meth:`HubWeightSource.iter_local`).
-    - ``iter_buckets()``: lists of ``(name, tensor)`` up to ``bucket_bytes`` on the owners, ``[]``
-      elsewhere (for engines that take flattened buckets).
+      placements)`` per Hub tensor, in iteration order, the same on every rank. ``owners`` are the
+      ranks that yield the name, in both modes (vLLM's definition): one rank per name with
+      ``owners`` 1, W or ``"host"``; every rank, in rank order, with ``owners="all"``, where a Hub
+      tensor the ranks already hold as a ``torch.chunk`` split of a DTensor over the ranks in rank
+      order has that ``mesh_shape`` and ``Shard(d)`` / ``Replicate()`` placements (FSDP's
+      ``Shard(0)``, row-wise TP x FSDP, HSDP) and every other one ``placements=None`` (whole).
+    - ``owned_names(rank)``: the names ``rank`` yields, in metadata order; their union is every name.
+    - ``iter_full()``: each owned name as a full CPU tensor, in metadata order; nothing on the other
+      ranks. Each tensor is gathered point to point to its owner only (never an all-gather; with
+      ``owners="all"`` to every rank in turn), so a rank holds at most its shards plus about two
+      buckets.
+    - ``iter_local()``: each owned name as this rank's piece, as its record says: the pieces a rank
+      already holds are views of its shards (no communication), the others whole, gathered as by
+      ``iter_full`` (with one owner per name it is ``iter_full``).
+    - ``iter_buckets()``: ``iter_full`` as lists of ``(name, tensor)`` up to ``bucket_bytes`` (a
+      larger tensor alone) on the owners, ``[]`` elsewhere (engines that take flattened buckets).
 
     Every iterator is collective: every rank drives it to its end, each pass reads the current
     weights, and an owner may consume lazily (send on another process group, sleep) while the
@@ -299,10 +306,12 @@ def weight_source(
             run backwards as the save does); ``None``: the model's own keys.
         dtype: cast floating tensors to this dtype (``torch.bfloat16`` rollouts from an fp32
             master); integer tensors are kept. ``None``: the model's dtypes.
-        owners: ``1``: rank 0 owns every name (vLLM's broadcast engines); ``W``: names spread over
-            ``W`` ranks (``[w * N // W]``) by bytes, whole Hub tensors (all of one fused tensor's
-            together), as ``save_safetensors(writers=W)`` assigns files; ``"host"``: the lowest rank
-            of every host.
+        owners: ``1``: rank 0 owns every name (vLLM's NCCL broadcast engine: the other ranks drive
+            ``iter_full`` and get nothing); ``W``: names spread over ``W`` ranks (``[w * N // W]``)
+            by bytes, whole Hub tensors (all of one fused tensor's together), as
+            ``save_safetensors(writers=W)`` assigns files; ``"host"``: the lowest rank of every host;
+            ``"all"``: every rank owns every name (vLLM's M2N engine, which consumes ``iter_local``,
+            and its IPC engine, where every rank sends every tensor).
         bucket_bytes: full-tensor bytes per bucket and owner (default: the engine's, 16 MiB).
         adapters: for a PEFT model: ``"merged"``: the base weights with each plain LoRA adapter
             merged in (``W + scaling * B @ A``, as ``merge_and_unload``) under the base names;
@@ -316,7 +325,7 @@ def weight_source(
 
     Raises:
         TypeError: ``model`` is not a module, ``dtype`` is not a floating dtype, ``owners`` is not an
-            int or ``"host"``, ``conversion`` is not ``"auto"`` or ``None``; on every rank.
+            int, ``"host"`` or ``"all"``, ``conversion`` is not ``"auto"`` or ``None``; on every rank.
         ValueError: ``owners`` out of ``[1, world size]``, ``bucket_bytes`` not a positive int,
             ``adapters`` or ``quantize`` not accepted, a tensor still on ``meta``, ranks that passed
             different arguments (each differing argument named with every rank's value); on every
@@ -332,34 +341,38 @@ def weight_source(
         [('weight', torch.bfloat16, (3, 2), (0,)), ('bias', torch.bfloat16, (3,), (0,))]
         >>> [(name, tuple(t.shape)) for name, t in source.iter_full()], source.owned_names(0)
         ([('weight', (3, 2)), ('bias', (3,))], ['weight', 'bias'])
+        >>> [m.placements for m in weight_source(torch.nn.Linear(2, 3), owners="all").metadata]
+        [None, None]
         >>> weight_source(torch.nn.Linear(2, 3), quantize="fp8")
         Traceback (most recent call last):
         ValueError: quantize must be None (quantizing on the way out is not supported yet), got 'fp8'
     """
     world, rank = _world()
-    arguments = Arguments(*(repr(v) for v in (conversion, dtype, owners, bucket_bytes, adapters, quantize)))
+    arguments = arguments_view("weight_source", conversion=conversion, dtype=dtype, owners=owners,
+                               bucket_bytes=bucket_bytes, adapters=adapters, quantize=quantize)
     error: BaseException | None = None
     plan: Plan | None = None
     boxes: list[Box | None] = []
     plain: list[bool] = []
+    meshes: list[tuple[int, ...] | None] = []
     nbytes = 0
     try:
-        nbytes = check_arguments(model, conversion, dtype, owners, bucket_bytes, adapters, quantize, world)
+        nbytes = check(model, conversion, dtype, owners, bucket_bytes, adapters, quantize, world)
         plan, items = plan_items(model, conversion=conversion, dtype=dtype, adapters=adapters)
-        boxes, plain = held(items)
+        boxes, plain, meshes = held(items, world)
     except Exception as e:  # noqa: BLE001 - raised on every rank after the exchange
         error = e
     fp = fingerprint([*((k, s) for k, s in zip(plan.keys, plan.shapes)), *plan.hub]) if plan is not None else None
     views = all_gather_object(SourceView(arguments=arguments, error=error_payload(error), fingerprint=fp,
-                                          boxes=boxes, plain=plain, host=host_key()))
+                                         boxes=boxes, plain=plain, meshes=meshes, host=host_key()))
     raise_lowest([v.error for v in views], error)
     raise_disagreement(views)
     assert plan is not None, "planned on every rank (agreed just above)"
     layout = assign(plan, views, owners, rank)
-    found = vllm_classes()
-    if found is None:
-        return HubWeightSource(model, plan, layout, nbytes, None)
-    base, meta_cls = found
-    cls = type("HubWeightSource", (HubWeightSource, base), {"__module__": __name__})
-    return cast(HubWeightSource, cls(model, plan, layout, nbytes, meta_cls))
-
+    types = record_types()
+    if types.base is None:
+        return HubWeightSource(model, plan, layout, nbytes, types)
+    # an instance of vLLM's WeightSource (its __init_subclass__ checks the cached metadata)
+    cls = type("HubWeightSource", (HubWeightSource, types.base),
+               {"__module__": __name__, "metadata": HubWeightSource.__dict__["metadata"]})
+    return cast(HubWeightSource, cls(model, plan, layout, nbytes, types))
