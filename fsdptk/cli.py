@@ -352,6 +352,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _ep_lines(model: Any, args: argparse.Namespace) -> list[str]:
     """The dense and expert meshes of ``--ep`` and what each rank holds of the experts."""
+    from fsdptk._plans.ep_styles import check_experts_divide
     from fsdptk._plans.hf_ep import experts_from_plan
     from fsdptk._plans.sharding import _fmt_bytes
     from fsdptk.mesh import ParallelDims
@@ -361,10 +362,8 @@ def _ep_lines(model: Any, args: argparse.Namespace) -> list[str]:
     dims = ParallelDims(dp_shard=args.world_size // args.tp, tp=args.tp, ep=args.ep,
                         world_size=args.world_size)
     experts = experts_from_plan(model)
+    check_experts_divide(model, experts, dims.ep)
     counts = sorted({p.shape[0] for f in experts for p in model.get_submodule(f).parameters()})
-    for n in counts:
-        if n % dims.ep:
-            raise ValueError(f"ep ({dims.ep}) must divide the number of experts ({n})")
     expert_bytes = sum(p.numel() * p.element_size() for f in experts
                        for p in model.get_submodule(f).parameters())
     per = ", ".join(f"{n // dims.ep}" for n in counts)

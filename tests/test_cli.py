@@ -133,6 +133,10 @@ def test_plan_ep_prints_both_meshes_and_what_each_rank_holds(tmp_path, capsys):
     assert "4 whole experts of each module" in out
     assert main(["plan", str(tmp_path), "--world-size", "4", "--ep", "3"]) == 1
     assert "ep (3) must divide dp_shard * tp (4 * 1 = 4)" in capsys.readouterr().err
+    # the experts' own count: the one check fsdptk.hf.from_pretrained and apply_ep run too
+    assert main(["plan", str(tmp_path), "--world-size", "6", "--ep", "3"]) == 1
+    assert ("experts module 'model.layers.0.mlp.experts' (Qwen3MoeExperts): ep (3) must divide its number "
+            "of experts (8)") in capsys.readouterr().err
 
 
 # -- convert -------------------------------------------------------------------------------------

@@ -37,7 +37,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-__all__ = ["EP_ATTR", "ExpertParallel", "ExpertsInfo", "experts_info", "set_grad_scale"]
+__all__ = ["EP_ATTR", "ExpertParallel", "ExpertsInfo", "check_divides", "check_experts_divide", "experts_info",
+           "set_grad_scale", "where"]
 
 EP_ATTR = "_fsdptk_expert_parallel"  # set on an experts module once EP is applied
 _GRAD_SCALE_ATTR = "_fsdptk_expert_grad_scale"  # set by set_grad_scale; 1.0 when absent
@@ -97,6 +98,32 @@ class _Route(NamedTuple):
     tokens: int  # tokens before the TP slice
 
 
+def where(fqn: str, module: nn.Module) -> str:
+    """How an error names an experts module."""
+    return f"experts module '{fqn}' ({type(module).__name__})"
+
+
+def check_divides(where: str, experts: int, ep: int) -> None:
+    """The one "ep divides the experts" check: ``ep`` must divide an experts module's count.
+
+    Examples:
+        >>> check_divides("experts module 'mlp.experts' (Experts)", 8, 3)
+        Traceback (most recent call last):
+        ValueError: experts module 'mlp.experts' (Experts): ep (3) must divide its number of experts (8)
+    """
+    if experts % ep:
+        raise ValueError(f"{where}: ep ({ep}) must divide its number of experts ({experts})")
+
+
+def check_experts_divide(model: nn.Module, experts: list[str], ep: int) -> None:
+    """:func:`check_divides` for every experts module ``experts`` names in ``model`` (the expert
+    counts read from its parameters' dim 0, on ``meta`` too): before anything changes."""
+    modules = dict(model.named_modules())
+    for fqn in experts:
+        for n in sorted({p.shape[0] for p in modules[fqn].parameters() if p.dim()}):
+            check_divides(where(fqn, modules[fqn]), n, ep)
+
+
 class ExpertParallel:
     """Shard an experts module over ``ep_mesh`` and route its tokens (see the module docstring).
 
@@ -127,34 +154,33 @@ class ExpertParallel:
 
     def check(self, module: nn.Module, fqn: str) -> int:
         """Validate one experts module; returns its number of experts. Changes nothing."""
-        where = f"experts module '{fqn}' ({type(module).__name__})"
+        at = where(fqn, module)
         params = list(module.named_parameters())
         if not params:
-            raise ValueError(f"{where} has no parameters: expert parallelism shards the experts' "
+            raise ValueError(f"{at} has no parameters: expert parallelism shards the experts' "
                              "fused weights [experts, ...]")
         if any("." in n for n, _ in params):
             nested = [n for n, _ in params if "." in n]
-            raise ValueError(f"{where} has parameters in submodules ({nested}); expert parallelism "
+            raise ValueError(f"{at} has parameters in submodules ({nested}); expert parallelism "
                              "takes a module whose own parameters are the fused expert weights")
         counts = {n: p.shape[0] if p.dim() else None for n, p in params}
         if len(set(counts.values())) != 1 or None in counts.values():
             shapes = {n: list(p.shape) for n, p in params}
-            raise ValueError(f"{where}: every parameter must hold the experts on dim 0 with the same "
+            raise ValueError(f"{at}: every parameter must hold the experts on dim 0 with the same "
                              f"count; shapes {shapes}")
         for n, p in params:
             if isinstance(p, DTensor):
                 raise ValueError(
-                    f"{where}: parameter '{n}' is already a DTensor on mesh "
+                    f"{at}: parameter '{n}' is already a DTensor on mesh "
                     f"{p.device_mesh.mesh_dim_names} with {p.placements}: apply expert parallelism "
                     "before tensor parallelism leaves it, and without TP rules for the experts")
         experts = next(iter(counts.values()))
         assert experts is not None
         ep = self.ep_mesh.size()
-        if experts % ep:
-            raise ValueError(f"{where}: ep ({ep}) must divide its number of experts ({experts})")
+        check_divides(at, experts, ep)
         declared = getattr(module, "num_experts", experts)
         if isinstance(declared, int) and declared != experts:
-            raise ValueError(f"{where}: num_experts ({declared}) is not its weights' dim 0 "
+            raise ValueError(f"{at}: num_experts ({declared}) is not its weights' dim 0 "
                              f"({experts})")
         return int(experts)
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch import nn
 
+from fsdptk._plans.ep_styles import check_experts_divide
 from fsdptk.hf.build import _transformers, hf_ep_plan, hf_meta_model, hf_tp_plan
 from fsdptk.predicates import no_split_modules
 
@@ -147,17 +148,6 @@ def _meta_model_on_every_rank(directory: Path, dims: ParallelDims | None, dtype:
             model.generation_config = sent.generation_config
     assert model is not None and dims is not None, "agreed above: every rank has a model and dims"
     return model, dims
-
-
-def _check_experts(model: nn.Module, experts: list[str], ep: int) -> None:
-    """ep must divide every experts module's count: checked before the TP plan changes anything."""
-    modules = dict(model.named_modules())
-    for fqn in experts:
-        counts = {p.shape[0] for p in modules[fqn].parameters() if p.dim()}
-        for n in sorted(counts):
-            if n % ep:
-                raise ValueError(f"experts module '{fqn}' ({type(modules[fqn]).__name__}): ep ({ep}) "
-                                 f"must divide its number of experts ({n})")
 
 
 def _read_generation_config(model: nn.Module, directory: Path) -> None:
@@ -327,7 +317,7 @@ def _from_pretrained(directory: Path, dims: ParallelDims | None, dtype: torch.dt
     with agreed():  # every check of TP, EP, AC and FSDP runs before any weight is read
         experts = hf_ep_plan(model) if dims.ep_enabled else []
         if experts:
-            _check_experts(model, experts, dims.ep)
+            check_experts_divide(model, experts, dims.ep)
         if dims.tp_enabled:
             plan = hf_tp_plan(model)
             apply_tp(model, dims.tp_mesh, {f: s for f, s in plan.items()
