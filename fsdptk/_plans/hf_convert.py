@@ -114,11 +114,13 @@ def _index_template(keys: list[tuple[int, str]]) -> str | None:
 
 
 def hub_nodes(model: nn.Module, metas: Mapping[str, TensorMeta], *, legacy: bool = True,
-              shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Node] | None:
+              quant: Mapping[str, Any] | None = None, shapes: Mapping[str, tuple[int, ...]] | None = None,
+              ) -> dict[str, Node] | None:
     """The checkpoint ``metas`` (key -> shape and dtype) under ``model``'s keys, as transformers'
     ``from_pretrained`` would convert it; ``None`` when transformers declares no conversion for
-    the model (its keys are read as they are). ``shapes``: the model's keys and shapes when not
-    its own ``state_dict``'s (a PEFT model's base under the base checkpoint's keys).
+    the model (its keys are read as they are). ``quant``: the ``quantization_config`` of the
+    checkpoint when it is not the model's own (a quantized save's layout). ``shapes``: the model's
+    keys and shapes when not its own ``state_dict``'s (a PEFT model's base under the base keys).
 
     Raises:
         ConversionProblem: two checkpoint keys for one model key; tensors that do not stack (both
@@ -129,7 +131,7 @@ def hub_nodes(model: nn.Module, metas: Mapping[str, TensorMeta], *, legacy: bool
     from transformers.core_model_loading import WeightConverter, dot_natural_key, rename_source_key
 
     transforms = _mapping(model, legacy=legacy)
-    leaves = quantized_leaves(model, metas)
+    leaves = quantized_leaves(model, metas, quant)
     if not transforms and all(isinstance(n, Leaf) for n in leaves.values()):
         return None
     renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
@@ -272,10 +274,12 @@ def quantization(model: nn.Module) -> dict[str, Any] | None:
     return dict(quant)
 
 
-def quantized_leaves(model: nn.Module, metas: Mapping[str, TensorMeta]) -> dict[str, Node]:
+def quantized_leaves(model: nn.Module, metas: Mapping[str, TensorMeta], quant: Mapping[str, Any] | None = None
+                     ) -> dict[str, Node]:
     """Checkpoint key -> leaf, a quantized weight and its scales becoming one dequantizing leaf
     under the weight's name (FP8: ``<w>`` + ``<w>_scale_inv``; MXFP4: ``<w>_blocks`` +
-    ``<w>_scales`` as ``<w>``), as the config's ``quantization_config`` says.
+    ``<w>_scales`` as ``<w>``), as the ``quantization_config`` says: ``quant``, or the model
+    config's (a load of a quantized release). The leaves' ``split`` quantizes (a quantized save).
 
     Raises:
         ConversionProblem: an unknown ``quant_method``; a ``weight_block_size`` that is not two
@@ -284,7 +288,7 @@ def quantized_leaves(model: nn.Module, metas: Mapping[str, TensorMeta]) -> dict[
             and the block (key, shapes and block named); MXFP4 blocks and scales that are not a
             uint8 pair of matching shapes.
     """
-    quant = quantization(model)
+    quant = quantization(model) if quant is None else quant
     plain = {k: Leaf(k, tuple(m.shape), m.dtype) for k, m in metas.items()}
     if quant is None:
         return dict(plain)
@@ -322,7 +326,7 @@ def _fp8_leaves(plain: dict[str, Leaf], quant: Mapping[str, Any]) -> dict[str, N
                 grid = (max(leaf.shape[-2], 1), max(leaf.shape[-1], 1))
             else:  # FP8Blocks refuses a weight under 2-D, naming it
                 grid = (1, 1)
-            out[key] = FP8Blocks(leaf, plain[scale_key], grid)
+            out[key] = FP8Blocks(leaf, plain[scale_key], grid, ue8m0=quant.get("scale_fmt") == "ue8m0")
         elif leaf.dtype in _FP8:
             raise ConversionProblem(
                 f"{key!r} (shape {list(leaf.shape)}, {leaf.dtype}) is quantized but the checkpoint has no "
@@ -381,19 +385,21 @@ def hub_file_metas(model: nn.Module, shapes: Mapping[str, tuple[tuple[int, ...],
     return {k: TensorMeta(tuple(v.shape), v.dtype) for k, v in reverted.items()}
 
 
-def hub_save_nodes(model: nn.Module, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+def hub_save_nodes(model: nn.Module, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], *,
+                   metas: Mapping[str, TensorMeta] | None = None, quant: Mapping[str, Any] | None = None
                    ) -> dict[str, Node] | None:
     """Model key -> node over ``save_pretrained``'s layout, for writing the Hub layout; ``None``
-    when the model's own keys are the Hub's.
+    when the model's own keys are the Hub's. ``metas`` (with ``quant``, its
+    ``quantization_config``): the layout to write instead, a quantized release of that layout.
 
     Raises:
         ConversionProblem: transformers' reverse mapping and its forward mapping disagree (a key or
             a shape), which would write a checkpoint transformers cannot load back.
     """
-    metas = hub_file_metas(model, shapes)
+    metas = hub_file_metas(model, shapes) if metas is None else metas
     if metas is None:
         return None
-    nodes = hub_nodes(model, metas, legacy=False) or {}
+    nodes = hub_nodes(model, metas, legacy=False, quant=quant) or {}
     for key, (shape, _) in shapes.items():
         node = nodes.get(key)
         if node is None or tuple(node.shape) != tuple(shape):
