@@ -171,7 +171,10 @@ def load_safetensors(
             rank.
         ConversionError: (a ``ValueError``) checkpoint tensors the conversion cannot combine: a
             missing per-expert tensor (named), tensors that do not stack (both shapes), two keys
-            for one model key; on every rank, before the model changes.
+            for one model key; a transformers operation without a per-shard plan (named, with the
+            keys); a ``Transform`` whose output breaks its declaration (the model key and both
+            shapes); a bad quantized layout (``weight_block_size``, scale rank, grid or dtype,
+            MXFP4 pairs); on every rank, before the model changes.
         ValueError: the ranks passed different ``shard_on_read``, ``conversion``, ``rename``,
             ``strict`` or ``bucket_bytes`` (names each and every rank's value; in the call's first
             exchange, before anything is read); a rename collision, a shape mismatch,

@@ -48,7 +48,7 @@ from fsdptk._files.safe_pickle import safe_load_planner, safe_reader
 from fsdptk._files.safetensors_io import SafetensorsCheckpoint, parse_size
 from fsdptk._files.safetensors_writer import ShardedWriter
 from fsdptk.conversions import resolve_load, resolve_save
-from fsdptk.errors import StateDictMismatchError
+from fsdptk.errors import ConversionError, StateDictMismatchError
 
 __all__ = [
     "save_dcp",
@@ -585,7 +585,7 @@ def safetensors_to_dcp(
         if model is not None:
             nodes = resolve_load(model, "auto", {k: (tuple(ckpt.shape(k)), ckpt.dtype(k)) for k in ckpt})
             if nodes is not None:
-                view = ConvertedSource(ckpt, nodes)
+                view = ConvertedSource(ckpt, nodes, error=ConversionError)
         meta_sd = {prefix + k: torch.empty(view.meta(k).shape if view is not ckpt else ckpt.shape(k),
                                            dtype=view.meta(k).dtype if view is not ckpt else ckpt.dtype(k),
                                            device="meta")

@@ -71,6 +71,7 @@ def _file_view(model: nn.Module, mapping: Mapping[str, Any], rename: Rename, con
     ``conversion`` when it converts anything, else as it is; and the bytes a full read takes."""
     from fsdptk._engine.sources.convert import ConvertedSource, Leaf
     from fsdptk.conversions import resolve_load
+    from fsdptk.errors import ConversionError
 
     nbytes = getattr(mapping, "nbytes", None)
     if rename is not None or conversion is None or not mapping:
@@ -86,7 +87,7 @@ def _file_view(model: nn.Module, mapping: Mapping[str, Any], rename: Rename, con
         return _file_view(model, mapping, None, None, on_read)
     total = sum(nbytes(k) for n in nodes.values() for k in set(n.files())) if nbytes is not None else 0
     count = _counting(nbytes, on_read) if nbytes is not None else None
-    return ConvertedSource(mapping, nodes, on_read=count), total
+    return ConvertedSource(mapping, nodes, on_read=count, error=ConversionError), total
 
 
 def compose(model: nn.Module, mapping: Mapping[str, Any] | None, aliases: Mapping[str, str], *,
