@@ -195,8 +195,10 @@ def test_union_of_owners_is_the_hub_checkpoint(world, hub, family, mesh, owners,
         assert kinds.get("Shard(dim=0)", 0) >= len(ref) // 2, kinds
     if owners == "all" and mesh == "hsdp":
         assert kinds.get("Replicate()+Shard(dim=0)", 0) >= len(ref) // 2, kinds
-    if owners == "all" and mesh == "tp":  # row-wise TP x FSDP (Shard(0), Shard(1)) are plain pieces
+    if owners == "all" and mesh == "tp":  # row-wise TP x FSDP (Shard(0), Shard(1)) are plain pieces, and
+        # so are FSDP's Shard(0) over dp of the tensors TP leaves whole (norms): on the dp x tp world
         assert kinds.get("Shard(dim=0)+Shard(dim=1)", 0) >= 2, kinds
+        assert kinds.get("Shard(dim=0)+Replicate()", 0) >= 4, kinds
     if family in ("qwen3_moe", "mixtral", "deepseek_v3"):
         assert any(".experts.7." in k for k in ref)  # the Hub's per-expert tensors (gpt-oss ships fused ones)
 
@@ -251,16 +253,16 @@ def test_lazy_owner_sending_on_another_group_never_hangs(world, llama, owners) -
 
 # ----------------------------------------------------------------------------------------------
 # failures: a consumer's error on one owner, bad and disagreeing arguments; a fresh second pass
-def _throw_then_again(src: str, owners) -> dict:
+def _throw_then_again(src: str, owners, mesh: str, mode: str) -> dict:
     from fsdptk import ParallelDims
     from fsdptk.hf import from_pretrained, weight_source
 
-    model = from_pretrained(src, dims=ParallelDims(dp_shard=4))
+    model = from_pretrained(src, dims=ParallelDims(**MESHES[mesh][1]))
     source = weight_source(model, owners=owners, bucket_bytes=8_000)
     rank = dist.get_rank()
     thrower = 0 if owners == 1 else 3
     outcome = None
-    it = source.iter_full()
+    it = source.iter_full() if mode == "full" else source.iter_local()
     try:
         for i, _ in enumerate(it):
             if rank == thrower and i == 2:
@@ -274,9 +276,13 @@ def _throw_then_again(src: str, owners) -> dict:
     return {"outcome": outcome, "second": second}
 
 
-@pytest.mark.parametrize("owners", [1, 4])
-def test_throw_on_one_owner_raises_on_every_rank_and_a_new_pass_reads_current_weights(world, llama, owners):
-    results = world(4).run(_throw_then_again, str(llama), owners, timeout=120)
+@pytest.mark.parametrize(("owners", "mesh", "mode"), [(1, "fsdp4", "full"), (4, "fsdp4", "full"),
+                                                     ("all", "tp", "local"), ("all", "fsdp4", "local")])
+def test_throw_on_one_owner_raises_on_every_rank_and_a_new_pass_reads_current_weights(world, llama, owners, mesh,
+                                                                                      mode):
+    """iter_full, and iter_local with owners='all': its pieces interleaved with gathered tensors
+    (FSDP x TP), or all of them local (FSDP: agreed once more after the last piece)."""
+    results = world(4).run(_throw_then_again, str(llama), owners, mesh, mode, timeout=120)
     for r in results:
         assert r["outcome"] is not None and r["outcome"][0] == "ConnectionError", r["outcome"]
         assert "the engine's send failed" in r["outcome"][1]

@@ -7,6 +7,7 @@ Everything here but :func:`assign` (``writer_ranks``' exchange) runs without com
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -146,10 +147,9 @@ def _grids(plan: Plan, views: list[SourceView]) -> dict[str, tuple[tuple[int, ..
     for name, found in covering.items():
         i = found[0]
         key = plan.keys[i]
-        mesh = views[0].meshes[i]
-        if (len(found) != 1 or key in plan.merges or mesh is None or any(v.meshes[i] != mesh for v in views)
-                or not all(v.plain[i] for v in views)):
+        if len(found) != 1 or key in plan.merges or not all(v.plain[i] for v in views):
             continue
+        mesh = views[0].meshes[i] if all(v.meshes[i] == views[0].meshes[i] for v in views) else None
         node: Node | None = plan.nodes.get(plan.conv_key[key]) if plan.nodes is not None else None
         if node is not None and not splittable(node):
             continue
@@ -158,7 +158,29 @@ def _grids(plan: Plan, views: list[SourceView]) -> dict[str, tuple[tuple[int, ..
             box = v.boxes[i]
             mine = [b for n, b in node.leaves(box) if n == name] if node is not None and box is not None else [box]
             boxes.append(mine[0] if len(mine) == 1 else None)
-        dims = rank_grid(shapes[name], boxes, mesh)
-        if dims is not None:
-            out[name] = (mesh, dims)
+        # the tensor's own mesh first, then the world laid out every other way (a sub-mesh's
+        # tensor, FSDP's Shard(0) over dp of a dp x tp world, is a split of the whole world)
+        for candidate in ([mesh] if mesh is not None else []) + _layouts(len(views)):
+            dims = rank_grid(shapes[name], boxes, candidate)
+            if dims is not None:
+                out[name] = (candidate, dims)
+                break
     return out
+
+
+def _layouts(world: int) -> list[tuple[int, ...]]:
+    """Every row-major mesh shape of ``world`` ranks with at most 3 axes, each above 1 (fewest axes
+    first).
+
+    Examples:
+        >>> _layouts(8)
+        [(8,), (2, 4), (4, 2), (2, 2, 2)]
+    """
+
+    def split(n: int, axes: int) -> Iterator[tuple[int, ...]]:
+        yield (n,)
+        for a in range(2, n) if axes > 1 else ():
+            if n % a == 0:
+                yield from ((a, *rest) for rest in split(n // a, axes - 1))
+
+    return sorted(set(split(world, 3)), key=lambda s: (len(s), s))
