@@ -337,7 +337,9 @@ def test_bad_or_disagreeing_arguments_are_named_on_every_rank(world, llama, case
 
 # ----------------------------------------------------------------------------------------------
 # PEFT: the adapter alone (PEFT's names) and merged into the base (merge_and_unload's names)
-def _peft_stream(src: str, adapters: str, owners) -> dict:
+def _peft_stream(src: str, adapters: str, owners, out: str) -> dict:
+    """A LoRA model sharded with FSDP: the source's tensors, and PEFT's own (the adapter state dict,
+    or ``save_pretrained`` of ``merge_and_unload()``, read back) from the same unsharded model."""
     import copy
 
     import peft
@@ -352,20 +354,21 @@ def _peft_stream(src: str, adapters: str, owners) -> dict:
     if adapters == "only":
         want = {k: t.detach().clone() for k, t in peft.utils.get_peft_model_state_dict(model).items()}
     else:
-        want = {k: t.detach().clone() for k, t in copy.deepcopy(model).merge_and_unload().state_dict().items()}
+        merged_dir = Path(out) / f"merged{dist.get_rank()}"
+        copy.deepcopy(model).merge_and_unload().save_pretrained(merged_dir)
+        want = _tensors(merged_dir)
     shard_model(model, no_split_modules(model), cpu_offload=False)
     source = weight_source(model, adapters=adapters, owners=owners)
     return {"want": want, "full": dict(source.iter_full()), "meta": _meta_rows(source),
             "local": [(n, t.clone()) for n, t in source.iter_local()]}
 
 
-@pytest.mark.parametrize(("adapters", "owners"), [("only", "all"), ("merged", 2)])
-def test_peft_adapters_only_and_merged_equal_peft_own(world, llama, adapters, owners) -> None:
-    results = world(2).run(_peft_stream, str(llama), adapters, owners, timeout=180)
+@pytest.mark.parametrize(("family", "adapters", "owners"), [("llama", "only", "all"), ("llama", "merged", 2),
+                                                           ("qwen3_moe", "merged", 1)])
+def test_peft_adapters_only_and_merged_equal_peft_own(world, hub, tmp_path, family, adapters, owners) -> None:
+    src = hub(family)
+    results = world(2).run(_peft_stream, str(src), adapters, owners, str(tmp_path), timeout=180)
     want = results[0]["want"]
-    if adapters == "merged":  # the tied / non-persistent entries save_pretrained leaves out
-        want = {k: t for k, t in want.items() if k in _tensors(llama)}
-        assert sorted(want) == sorted(_tensors(llama))
     got: dict[str, torch.Tensor] = {}
     for r in results:
         got.update(r["full"])
@@ -374,8 +377,9 @@ def test_peft_adapters_only_and_merged_equal_peft_own(world, llama, adapters, ow
         assert got[k].dtype == t.dtype and torch.equal(got[k], t), k
     if adapters == "only":
         assert all("lora_" in k for k in got)
-    else:
-        ref = _tensors(llama)
+    else:  # the base's Hub names (per-expert tensors for Qwen3-MoE), LoRA merged into q and v only
+        ref = _tensors(src)
+        assert sorted(got) == sorted(ref)
         changed = [k for k in ref if not torch.equal(ref[k], got[k])]
         assert changed and all("q_proj" in k or "v_proj" in k for k in changed)
     meta = {m[0]: m for m in results[0]["meta"]}
@@ -385,6 +389,23 @@ def test_peft_adapters_only_and_merged_equal_peft_own(world, llama, adapters, ow
             assert torch.equal(piece, _expected_piece(want[name], m, cell)), name
     if owners == "all":  # FSDP's Shard(0) of the LoRA factors: pieces served where they are
         assert sum(m[5] == ("Shard(dim=0)",) for m in meta.values()) >= len(meta) // 2
+
+
+@pytest.mark.parametrize(("config", "needle"), [
+    ({"use_dora": True}, "'base_model.model.model.layers.0.self_attn.q_proj': it uses DoRA"),
+    ({"lora_bias": True}, "it has a LoRA bias"),
+])
+def test_merged_refuses_what_is_not_plain_lora_naming_the_layer(llama, config, needle) -> None:
+    peft = pytest.importorskip("peft")
+    from fsdptk.hf import weight_source
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"], **config))
+    with pytest.raises(NotImplementedError, match="adapters='merged'") as info:
+        weight_source(model, adapters="merged")
+    assert needle in str(info.value) and "adapters='only'" in str(info.value)
+    assert sorted(dict(weight_source(model, adapters="only").iter_full())) == sorted(
+        peft.utils.get_peft_model_state_dict(model))
 
 
 def test_metadata_records_validate_like_vllm() -> None:
