@@ -653,3 +653,52 @@ def test_train_then_fp8_save_then_load_is_the_reference_within_fp8s_error(world,
         assert r["loss"] == results[0]["loss"] and r["fp8_loss"] == results[0]["fp8_loss"]
     diff = abs(results[0]["fp8_loss"] - results[0]["loss"])
     assert first_order > 0 and diff <= 2 * first_order, (diff, first_order)
+
+
+def _save_on_mesh(dense: str, out: str, dims_kw: dict, writers: int) -> None:
+    from fsdptk import ParallelDims, save_safetensors
+    from fsdptk.hf import from_pretrained
+
+    model = from_pretrained(dense, dims=ParallelDims(**dims_kw), dtype=torch.float32)
+    save_safetensors(model, out, quantize="fp8-ue8m0", block_size=_BLOCK, writers=writers)
+
+
+@needs_transformers
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_fsdp_x_tp_at_4_ranks_writes_the_same_release(world, tmp_path, family):
+    """FSDP x TP (2 x 2, the model's own TP plan) with 2 writers: the release is the dense model
+    quantized as vLLM's arithmetic, tensor for tensor, as at 2 ranks."""
+    dense = _dense(family, tmp_path / "dense")
+    world(4).run(_save_on_mesh, str(dense), str(tmp_path / "q"), {"dp_shard": 2, "tp": 2}, 2)
+    plain = _tensors(dense)
+    quantized = [k for k in plain if k.endswith("_proj.weight")]
+    _assert_quantized_like_vllm(_tensors(tmp_path / "q"), plain, _BLOCK, True, quantized)
+    assert json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["scale_fmt"] == "ue8m0"
+
+
+def _save_sync_and_async(dense: str, out: str) -> None:
+    from fsdptk import save_safetensors, save_safetensors_async
+    from fsdptk.hf import from_pretrained
+
+    model = from_pretrained(dense, dtype=torch.float32)
+    save_safetensors(model, f"{out}/sync", quantize="fp8", block_size=_BLOCK)
+    pending = save_safetensors_async(model, f"{out}/async", quantize="fp8", block_size=_BLOCK, writers=2)
+    with torch.no_grad():  # training goes on while the snapshot is written
+        for p in model.parameters():
+            p.add_(1.0)
+    pending.wait()
+
+
+@needs_transformers
+def test_background_quantized_save_equals_the_synchronous_one(world, tmp_path):
+    """save_safetensors_async(quantize="fp8") writes the snapshot taken at the call, quantized in
+    the background: the same tensors and config as the synchronous save of the same weights."""
+    dense = _dense("qwen3_moe", tmp_path / "dense")
+    world(2).run(_save_sync_and_async, str(dense), str(tmp_path))
+    sync, background = _tensors(tmp_path / "sync"), _tensors(tmp_path / "async")
+    assert sync.keys() == background.keys()
+    for k in sync:
+        assert torch.equal(sync[k].view(torch.uint8), background[k].view(torch.uint8)), k
+    assert any(t.dtype == E4M3 for t in sync.values())
+    read = [json.loads((tmp_path / d / "config.json").read_text())["quantization_config"] for d in ("sync", "async")]
+    assert read[0] == read[1]
