@@ -111,34 +111,40 @@ class HubWeightSource:
 
     def _iter_pieces(self) -> Iterator[tuple[str, torch.Tensor]]:
         plan, grids = self._plan, self._layout.grids
-        pending = self._local_pieces()
+        pending: list[tuple[int, str, str, torch.Tensor]] = []
+        failed: BaseException | None = None
+        try:
+            pending = self._local_pieces()
+        except Exception as e:  # noqa: BLE001 - agreed by collect's exchange
+            failed = e
         gathered = {n for n, _, _ in plan.hub if n not in grids}
         keep = [i for i, k in enumerate(plan.keys) if gathered & set(plan.item_hub[k])]
-        gen = cast(Generator[Bucket, None, None], self._stream(keep, names=gathered))
+        gen = cast(Generator[Bucket, None, None], self._stream(keep, names=gathered, failed=failed))
         for bucket in gen:
             for name, t in bucket:
                 while pending and pending[0][0] < plan.order[name]:
+                    _, piece_name, key, piece = pending.pop(0)
                     try:
-                        yield pending.pop(0)[1:]
+                        yield piece_name, piece.to(plan.dtypes[key])
                     except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the engine
                         gen.throw(e)
                 try:
                     yield name, t
                 except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the engine
                     gen.throw(e)
-        failed: BaseException | None = None
-        for _, name, piece in pending:  # after the last gathered tensor: agreed once more below
+        for _, name, key, piece in pending:  # after the last gathered tensor: agreed once more below
             if failed is None:
                 try:
-                    yield name, piece
+                    yield name, piece.to(plan.dtypes[key])
                 except Exception as e:  # noqa: BLE001 - the caller's .throw(e): raised on every rank
                     failed = e
         raise_if_any(failed)
 
-    def _local_pieces(self) -> list[tuple[int, str, torch.Tensor]]:
-        """``(metadata index, name, piece)`` of every split Hub tensor, from this rank's shards."""
+    def _local_pieces(self) -> list[tuple[int, str, str, torch.Tensor]]:
+        """``(metadata index, name, model key, piece)`` of every split Hub tensor: views of this
+        rank's shards (cast when yielded, one at a time)."""
         plan, layout = self._plan, self._layout
-        out: list[tuple[int, str, torch.Tensor]] = []
+        out: list[tuple[int, str, str, torch.Tensor]] = []
         for i, (key, t) in enumerate(self._items()):
             box = layout.boxes[i]
             if box is None or not set(layout.grids) & set(plan.item_hub[key]):
@@ -146,9 +152,7 @@ class HubWeightSource:
             local = local_tensor(t).detach()
             node = plan.nodes.get(plan.conv_key[key]) if plan.nodes is not None else None
             pieces = box_pieces(node, box, local) if node is not None else [(plan.conv_key[key], box, local)]
-            for name, _, piece in pieces:
-                if name in layout.grids:
-                    out.append((plan.order[name], name, piece.to(plan.dtypes[key])))
+            out += [(plan.order[name], name, key, piece) for name, _, piece in pieces if name in layout.grids]
         return sorted(out, key=lambda x: x[0])
 
     def _items(self) -> Items:
@@ -164,14 +168,17 @@ class HubWeightSource:
             out.append((key, t))
         return out
 
-    def _stream(self, keep: list[int], names: set[str] | None) -> Iterator[Bucket]:
+    def _stream(self, keep: list[int], names: set[str] | None, failed: BaseException | None = None
+                ) -> Iterator[Bucket]:
         """Gather items ``keep`` to their owners (each to every one of its ranks), bucket by bucket,
-        and turn each into its Hub tensors (``names``: only those; ``None``: all)."""
+        and turn each into its Hub tensors (``names``: only those; ``None``: all). ``failed``: this
+        rank's error so far, raised on every rank by collect's first exchange."""
         plan, layout = self._plan, self._layout
         items: Items = []
         dests: list[int] = []
-        failed: BaseException | None = None
         try:
+            if failed is not None:
+                raise failed
             every = self._items()
             for i in keep:
                 items += [every[i]] * len(layout.dests[i])
