@@ -8,7 +8,8 @@ Subcommands:
   ``AutoModelForCausalLM.from_config`` and uses its ``_no_split_modules`` classes as units.
 - ``inspect PATH``: keys, shapes, dtypes and total size of a checkpoint (a ``.safetensors`` file, a
   directory of them, a DCP directory, or a ``torch.save`` file), without loading tensor data.
-- ``convert SRC DST``: DCP directory <-> safetensors, memory-bounded (:mod:`fsdptk.checkpoint`).
+- ``convert SRC DST``: DCP directory <-> safetensors, memory-bounded (:mod:`fsdptk.checkpoint`);
+  ``--quantize fp8|fp8-ue8m0|mxfp4``: an unquantized checkpoint -> a quantized release.
 - ``demo``: the end-to-end example ``examples/train_llama.py``, launched on N local processes.
 
 Exit codes: 0 success, 1 a bad path or a failure with a message on stderr, 2 bad arguments
@@ -410,6 +411,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         check_disjoint(src, dst)  # the destination is replaced as a whole: never over the source
     except ValueError as e:
         raise errors.CLIError(str(e)) from e
+    if args.quantize is not None:
+        return _cmd_quantize(args, src, dst)
     to = args.to
     if to is None:
         to = "safetensors" if (src.is_dir() and (src / ".metadata").is_file()) else "dcp"
@@ -431,6 +434,81 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         raise errors.CLIError(f"{type(e).__name__}: {e}") from e
     print(f"wrote {to}: {out}")
     return 0
+
+
+def _cmd_quantize(args: argparse.Namespace, src: Path, dst: Path) -> int:
+    """``convert --quantize``: an unquantized Hub checkpoint (or a DCP directory, through a
+    safetensors copy beside ``dst`` that is deleted after) -> a quantized release."""
+    import shutil
+    import tempfile
+
+    from fsdptk import checkpoint as ckpt
+
+    if args.to == "dcp":
+        raise errors.CLIError("--quantize writes a safetensors release; it cannot be combined with --to dcp")
+    try:
+        block = tuple(int(n) for n in args.block_size.split(","))
+    except ValueError as e:
+        raise errors.CLIError(f"--block-size must be two ints 'rows,columns', got {args.block_size!r}") from e
+    is_dcp = src.is_dir() and (src / ".metadata").is_file()
+    config = Path(args.config) if args.config else src
+    if not (config / "config.json").is_file():
+        raise errors.CLIError(f"--quantize needs the model's config.json: {config} has none (pass --config DIR)")
+    model = _hf_plan_model(config, {}, None, False)
+    staging = None
+    try:
+        if is_dcp:  # the DCP checkpoint in the Hub layout first, one batch at a time
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}.unquantized.", dir=dst.parent))
+            ckpt.dcp_to_safetensors(src, staging / "hub", prefix=args.prefix or None,
+                                    max_shard_size=args.max_shard_size, model=model)
+        out = _write_quantized(staging / "hub" if staging else src, dst, model, args.quantize, block,
+                               args.max_shard_size)
+    except (ValueError, TypeError, OSError) as e:  # bad --quantize/--block-size, CheckpointError, a full disk
+        raise errors.CLIError(f"{type(e).__name__}: {e}") from e
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    print(f"wrote {args.quantize} release: {out}")
+    return 0
+
+
+def _write_quantized(src: Path, dst: Path, model: Any, quantize: str, block: tuple[int, ...],
+                     max_shard_size: str) -> Path:
+    """Each tensor of the Hub checkpoint ``src`` read, quantized as a save of ``model`` would
+    (fsdptk._plans.quant_save), written and dropped; ``config.json`` with the release's
+    ``quantization_config``, renamed in after the weights commit."""
+    from fsdptk._engine.sources import as_source
+    from fsdptk._files.common import progress_bar
+    from fsdptk._files.hf_config import stage_hf_config
+    from fsdptk._files.safetensors_io import SafetensorsCheckpoint
+    from fsdptk._files.safetensors_writer import ShardedWriter
+    from fsdptk._plans.hf_convert import hub_nodes, quantization, quantized_leaves
+    from fsdptk._plans.quant_save import plan_quantized, quant_format
+
+    fmt = quant_format(quantize, block)
+    if fmt is None or quantization(model) is not None:
+        raise ValueError(f"{src} is already a quantized release (its config.json has a quantization_config)")
+    with SafetensorsCheckpoint(src) as reader:
+        metas = {k: as_source(reader).meta(k) for k in reader}
+        trees = hub_nodes(model, metas) or {}  # which model tensor each Hub tensor is (the default rule)
+        plan = plan_quantized(model, fmt, metas, {f: k for k, n in trees.items() for f in n.files()})
+        nodes = quantized_leaves(model, plan.metas, plan.config)
+        writer = ShardedWriter(dst, [(k, m.dtype, m.shape) for k, m in plan.metas.items()],
+                               max_shard_size=max_shard_size)
+        try:
+            dtype = next((m.dtype for m in metas.values() if m.dtype.is_floating_point), None)
+            staged = stage_hf_config(model, dst, dtype=dtype, quantization_config=plan.config)
+            if staged is not None:
+                writer.after_commit(staged.commit)
+            with progress_bar(writer.total_size, f"quantize {src.name}", None) as bar:
+                for key in metas:
+                    for name, piece in nodes[key].split(reader[key]):
+                        bar.update(writer.write(name, piece.contiguous()))
+            return writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
 
 
 # ----------------------------------------------------------------------------------------------
@@ -511,6 +589,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "safetensors directory's own config.json when it has one")
     p.add_argument("--keep-keys", action="store_true",
                    help="no layout conversion: the keys as the source holds them")
+    p.add_argument("--quantize", choices=["fp8", "fp8-ue8m0", "mxfp4"], default=None,
+                   help="write a quantized release (docs/layouts.md, 'Writing quantized releases') of an "
+                        "unquantized Hub checkpoint or DCP directory (with --config), one tensor at a time")
+    p.add_argument("--block-size", default="128,128", metavar="ROWS,COLS",
+                   help="FP8 block of --quantize fp8 / fp8-ue8m0 (default 128,128)")
 
     p = sub.add_parser("demo", help="run examples/train_llama.py on local processes; "
                                     "other arguments go to the example",

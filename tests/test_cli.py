@@ -220,3 +220,54 @@ def test_inspect_resolves_a_directory_as_the_loader_does(tmp_path, capsys):
     assert [i["key"] for i in inspect_checkpoint(tmp_path)[1]] == ["new"]
     assert main(["inspect", str(tmp_path / "nope.safetensors.index.json")]) == 1
     assert "no such file" in capsys.readouterr().err
+
+
+def test_convert_quantize_writes_an_fp8_release_one_tensor_at_a_time(tmp_path, capsys):
+    """``fsdptk convert SRC DST --quantize fp8-ue8m0 --block-size 32,32``: a Hub checkpoint (a
+    tiny Qwen3-MoE, one tensor per expert) -> an FP8 release whose bytes are the quantizer's
+    (vLLM's arithmetic) and whose config carries the quantization_config; the source is untouched;
+    a DCP checkpoint of the model (with --config) gives the same release; bad input exits 1."""
+    transformers = pytest.importorskip("transformers")
+    from fsdptk import save_dcp
+    from fsdptk._engine.sources.quantize import fp8_block_quantize
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         head_dim=16, vocab_size=128, num_experts=4, num_experts_per_tok=2)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path / "hub")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "hub").iterdir()}
+    argv = ["convert", str(tmp_path / "hub"), str(tmp_path / "fp8"), "--quantize", "fp8-ue8m0", "--block-size", "32,32"]
+    assert main(argv) == 0
+    assert "wrote fp8-ue8m0 release" in capsys.readouterr().out
+    assert {p.name: p.read_bytes() for p in (tmp_path / "hub").iterdir()} == before  # source untouched
+    hub = load_file(tmp_path / "hub" / "model.safetensors")
+    out = load_file(tmp_path / "fp8" / "model.safetensors")
+    quantized = [k for k in hub if k.endswith("_proj.weight")]
+    assert any(".experts.3." in k for k in quantized)
+    for k, t in hub.items():
+        if k in quantized:
+            q, s = fp8_block_quantize(t, (32, 32), ue8m0=True)
+            assert torch.equal(out[k].view(torch.uint8), q.view(torch.uint8)), k
+            assert torch.equal(out[k.removesuffix(".weight") + ".weight_scale_inv"], s), k
+        else:
+            assert torch.equal(out[k], t), k
+    written = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    assert written["quant_method"] == "fp8" and written["scale_fmt"] == "ue8m0"
+    assert written["weight_block_size"] == [32, 32] and "model.layers.0.mlp.gate" in written["modules_to_not_convert"]
+
+    save_dcp(model, tmp_path / "dcp")
+    assert main(["convert", str(tmp_path / "dcp"), str(tmp_path / "from_dcp"), "--config", str(tmp_path / "hub"),
+                 "--quantize", "fp8-ue8m0", "--block-size", "32,32"]) == 0
+    from_dcp = load_file(tmp_path / "from_dcp" / "model.safetensors")
+    assert from_dcp.keys() == out.keys() and all(torch.equal(from_dcp[k].view(torch.uint8), out[k].view(torch.uint8))
+                                                 for k in out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp", "fp8", "from_dcp", "hub"]  # no staging left
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "hub"), str(tmp_path / "x"), "--quantize", "mxfp4"]) == 1
+    assert "mxfp4" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "fp8"), str(tmp_path / "y"), "--quantize", "fp8"]) == 1
+    assert "already a quantized release" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "hub"), str(tmp_path / "z"), "--quantize", "fp8", "--block-size", "0,32"]) == 1
+    assert "block_size" in capsys.readouterr().err
