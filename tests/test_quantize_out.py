@@ -663,13 +663,18 @@ def _save_on_mesh(dense: str, out: str, dims_kw: dict, writers: int) -> None:
     save_safetensors(model, out, quantize="fp8-ue8m0", block_size=_BLOCK, writers=writers)
 
 
+MESHES = [("llama", {"dp_shard": 2, "tp": 2}), ("qwen3_moe", {"dp_shard": 2, "tp": 2}),
+          ("qwen3_moe", {"dp_shard": 4, "ep": 2})]
+
+
 @needs_transformers
-@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
-def test_fsdp_x_tp_at_4_ranks_writes_the_same_release(world, tmp_path, family):
-    """FSDP x TP (2 x 2, the model's own TP plan) with 2 writers: the release is the dense model
-    quantized as vLLM's arithmetic, tensor for tensor, as at 2 ranks."""
+@pytest.mark.parametrize("family, dims_kw", MESHES, ids=["llama-fsdp-tp", "qwen3_moe-fsdp-tp", "qwen3_moe-ep"])
+def test_4_ranks_fsdp_x_tp_and_ep_write_the_same_release(world, tmp_path, family, dims_kw):
+    """FSDP x TP (2 x 2, the model's own TP plan) and expert parallelism (ep=2 over 4 FSDP ranks),
+    with 2 writers: the release is the dense model quantized as vLLM's arithmetic, tensor for
+    tensor, as at 2 ranks."""
     dense = _dense(family, tmp_path / "dense")
-    world(4).run(_save_on_mesh, str(dense), str(tmp_path / "q"), {"dp_shard": 2, "tp": 2}, 2)
+    world(4).run(_save_on_mesh, str(dense), str(tmp_path / "q"), dims_kw, 2)
     plain = _tensors(dense)
     quantized = [k for k in plain if k.endswith("_proj.weight")]
     _assert_quantized_like_vllm(_tensors(tmp_path / "q"), plain, _BLOCK, True, quantized)
@@ -702,3 +707,36 @@ def test_background_quantized_save_equals_the_synchronous_one(world, tmp_path):
     assert any(t.dtype == E4M3 for t in sync.values())
     read = [json.loads((tmp_path / d / "config.json").read_text())["quantization_config"] for d in ("sync", "async")]
     assert read[0] == read[1]
+
+
+def _count_quantized(dense: str, out: str, writers: int) -> int:
+    """How many tensors this rank quantizes during a save (the FP8 quantizer counted)."""
+    from fsdptk import save_safetensors
+    from fsdptk._engine.sources import quant
+    from fsdptk.hf import from_pretrained
+
+    model = from_pretrained(dense, dtype=torch.float32)
+    calls, real = [], quant.fp8_block_quantize
+
+    def counting(x, *a, **k):
+        calls.append(tuple(x.shape))
+        return real(x, *a, **k)
+
+    quant.fp8_block_quantize = counting
+    try:
+        save_safetensors(model, out, quantize="fp8", block_size=_BLOCK, writers=writers)
+    finally:
+        quant.fp8_block_quantize = real
+    return len(calls)
+
+
+@needs_transformers
+def test_tensors_are_quantized_on_their_writer_only(world, tmp_path):
+    """Quantization runs where the full tensor is: with one writer rank 0 quantizes every weight
+    and rank 1 none; with two writers every weight is quantized once in all (on the writer of its
+    file; here the files are assigned by size, so one writer may hold only unquantized ones)."""
+    dense = _dense("qwen3_moe", tmp_path / "dense")
+    n = sum(k.endswith("_proj.weight") for k in _tensors(dense))
+    assert world(2).run(_count_quantized, str(dense), str(tmp_path / "w1"), 1) == [n, 0]
+    split = world(2).run(_count_quantized, str(dense), str(tmp_path / "w2"), 2)
+    assert sum(split) == n, split
