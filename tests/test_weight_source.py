@@ -252,6 +252,72 @@ def test_lazy_owner_sending_on_another_group_never_hangs(world, llama, owners) -
 
 
 # ----------------------------------------------------------------------------------------------
+# memory: beyond its shards, a rank holds about two buckets (measured: the peak RSS of a pass)
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def _peaks(src: str, owners, bucket_bytes: int) -> dict[str, tuple[int, int]]:
+    """Per pass: (peak RSS above the RSS before it, bytes this rank was handed). Blocks of 128 KiB
+    and more are mmapped and returned when freed (glibc's mallopt), so RSS follows live memory; the
+    peak is reset before each pass (``/proc/self/clear_refs``). A first pass pages the shards in
+    (the load keeps them as copy-on-write views of the file) and is not measured."""
+    import ctypes
+    import gc
+
+    from fsdptk import ParallelDims, gather_cpu_state_dict
+    from fsdptk.hf import from_pretrained, weight_source
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    model = from_pretrained(src, dims=ParallelDims(dp_shard=4))
+    source = weight_source(model, owners=owners, bucket_bytes=bucket_bytes)
+    out = {}
+    for what in ("warm-up", "source", "gather_cpu_state_dict"):
+        gc.collect()
+        libc.malloc_trim(0)
+        dist.barrier()
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to VmRSS
+        before = _status_bytes("VmRSS")
+        handed = 0
+        if what == "gather_cpu_state_dict":  # the whole model on rank 0: the measurement sees it
+            sd = gather_cpu_state_dict(model, dist.get_rank() == 0)
+            handed = sum(t.numel() * t.element_size() for t in sd.values())
+            del sd
+        else:
+            for bucket in source.iter_buckets():
+                handed += sum(t.numel() * t.element_size() for _, t in bucket)
+                del bucket
+        out[what] = (_status_bytes("VmHWM") - before, handed)
+    return out
+
+
+@pytest.mark.parametrize("owners", [1, 4])
+def test_memory_beyond_the_shards_is_about_two_buckets(world, tmp_path, owners) -> None:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
+                                      tie_word_embeddings=False)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    ref = _tensors(tmp_path)
+    total = sum(t.numel() * t.element_size() for t in ref.values())
+    largest = max(t.numel() * t.element_size() for t in ref.values())  # 4 MiB (embeddings, lm_head)
+    bucket_bytes = 2**20
+    results = world(4).run(_peaks, str(tmp_path), owners, bucket_bytes, timeout=180)
+    assert sum(r["source"][1] for r in results) == total
+    assert results[0]["gather_cpu_state_dict"][0] >= total  # the whole model on rank 0, seen
+    bound = 2 * max(bucket_bytes, largest) + 2 * 2**20
+    for rank, r in enumerate(results):
+        peak, handed = r["source"]
+        assert peak <= bound, (rank, peak, bound, handed)
+    if owners == 1:  # rank 0 receives the whole model, at most about two buckets of it at once
+        assert results[0]["source"][1] == total and results[0]["source"][0] <= total / 4
+
+
+# ----------------------------------------------------------------------------------------------
 # failures: a consumer's error on one owner, bad and disagreeing arguments; a fresh second pass
 def _throw_then_again(src: str, owners, mesh: str, mode: str) -> dict:
     from fsdptk import ParallelDims
