@@ -20,7 +20,11 @@ On a tiny transformers Llama under FSDP2 at 2 ranks (tied and untied embeddings)
 - each rank's ``iter_full`` and ``iter_local`` yield exactly ``owned_names(rank)`` in metadata order,
   and the source's ``owned_names`` is vLLM's base-class definition (the names whose records list
   the rank in ``owners``: vLLM's records say who yields a name in either mode);
-- ``owners=2``: the union of both ranks' ``iter_full`` is the same set of tensors.
+- ``owners=2``: the union of both ranks' ``iter_full`` is the same set of tensors;
+- ``owners="all"``: every rank owns every name (what vLLM's IPC engine checks), every record passes
+  vLLM's M2N conversion (``m2n_param_meta``: owned by every rank in rank order) and each
+  ``iter_local`` piece has the shape M2N's layout math implies (``expected_local_shape``, the check
+  of its sender); ``iter_full`` gives every rank every tensor.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ def _records(metadata: list[Any]) -> list[tuple]:
 
 
 def _check_against_vllm(tie: bool) -> dict[str, Any]:
-    """On every rank: the protocol checks for owners=1 and owners=2; returns what to compare."""
+    """On every rank: the protocol checks for owners=1, owners=2 and owners="all"; returns what to
+    compare across ranks."""
     import torch.distributed as dist
 
     import fsdptk.hf
@@ -74,8 +79,12 @@ def _check_against_vllm(tie: bool) -> dict[str, Any]:
     base = _vllm_base()
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _sharded_llama(tie)
-    out: dict[str, Any] = {}
-    for owners in (1, world):
+    vllm_source = base.ModuleSource(model)
+    module_meta = {m.name: m for m in vllm_source.metadata}
+    module_local = {n: t.clone() for n, t in vllm_source.iter_local()}
+    out: dict[str, Any] = {"module_full": {n: t.clone() for n, t in vllm_source.iter_full()},  # all-gathers
+                           "same_layout_pieces": 0}
+    for owners in (1, world, "all"):
         source = fsdptk.hf.weight_source(model, owners=owners)
         assert isinstance(source, base.WeightSource), type(source).__mro__
         assert source.implements_iter_full() and source.implements_iter_local()
@@ -98,45 +107,46 @@ def _check_against_vllm(tie: bool) -> dict[str, Any]:
         for name, t in full:
             assert t.dtype == by_name[name].dtype and tuple(t.shape) == by_name[name].shape, name
             assert not isinstance(t, torch.distributed.tensor.DTensor)
-        local = [(n, t.clone()) for n, t in source.iter_local()]
-        assert [n for n, _ in local] == source.owned_names(rank)  # both modes: exactly the owned names
-        out[f"meta{owners}"] = _records(meta)
-        out[f"full{owners}"] = {n: t.clone() for n, t in full}
-        out[f"local{owners}"] = dict(local)
-        if owners == 1 and rank == 0:  # vLLM's own check of the sender's stream against the metadata
-            try:
-                from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
-            except ImportError as e:  # pragma: no cover - the engine module needs what CPU builds lack
-                out["checked_iter"] = f"skipped: {e}"
-            else:
+        local = {n: t.clone() for n, t in source.iter_local()}
+        assert list(local) == source.owned_names(rank)  # both modes: exactly the owned names
+        for m in meta:  # a record laid out as ModuleSource lays it out: the same iter_local piece
+            theirs = module_meta.get(m.name)
+            if m.name in local and theirs is not None and (m.owners, m.mesh_shape, m.placements) == (
+                    theirs.owners, theirs.mesh_shape, theirs.placements):
+                assert torch.equal(local[m.name], module_local[m.name]), m.name
+                out["same_layout_pieces"] += 1
+        if owners == "all":
+            _check_m2n_and_ipc(source, local, rank, world)
+        key = str(owners)
+        out[f"meta{key}"] = _records(meta)
+        out[f"full{key}"] = {n: t.clone() for n, t in full}
+        if owners == 1:  # as vLLM's NCCL engine drives it: the sender checks its stream against the
+            # metadata (its own _checked_iter), the other ranks only drive iter_full
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+            if rank == 0:
                 checked = list(NCCLTrainerWeightTransferEngine._checked_iter(source, meta))
                 assert [n for n, _ in checked] == [m.name for m in meta]
-                out["checked_iter"] = len(checked)
-    vllm_source = base.ModuleSource(model)
-    out["module_names"] = [m.name for m in vllm_source.metadata]
-    out["module_full"] = {n: t.clone() for n, t in vllm_source.iter_full()}  # every rank all-gathers
-    # where fsdptk declares a tensor exactly as ModuleSource does (same owners, mesh and placements),
-    # both iter_local yield the same piece on this rank
-    module_local = {n: t.clone() for n, t in vllm_source.iter_local()}
-    module_meta = {m.name: m for m in vllm_source.metadata}
-    same_layout = 0
-    for owners in (1, world):
-        for m in _records_of(model, owners):
-            theirs = module_meta.get(m.name)
-            if theirs is None or (m.owners, m.mesh_shape, m.placements) != (
-                    theirs.owners, theirs.mesh_shape, theirs.placements):
-                continue
-            if m.name in out[f"local{owners}"]:
-                assert torch.equal(out[f"local{owners}"][m.name], module_local[m.name]), m.name
-                same_layout += 1
-    out["same_layout_pieces"] = same_layout
+            else:
+                assert list(source.iter_full()) == []
     return out
 
 
-def _records_of(model: Any, owners: int) -> list[Any]:
-    import fsdptk.hf
+def _check_m2n_and_ipc(source: Any, local: dict[str, torch.Tensor], rank: int, world: int) -> None:
+    """owners="all" as vLLM's M2N and IPC engines read it (their own checks, on CPU)."""
+    from vllm.distributed.weight_transfer.m2n_common import (
+        check_transferable,
+        expected_local_shape,
+        m2n_param_meta,
+    )
 
-    return fsdptk.hf.weight_source(model, owners=owners).metadata
+    # IPC (trainer_init): every rank owns every parameter
+    assert len(source.owned_names(rank)) == len(source.metadata)
+    for m in source.metadata:
+        m2n = m2n_param_meta(m, world)  # raises unless owned by every rank in rank order
+        check_transferable(m.name, m.dtype, m.shape)
+        # M2N's _send: the piece iter_local yields has the shape the record's layout implies
+        assert tuple(local[m.name].shape) == expected_local_shape(m2n), (m.name, m, tuple(local[m.name].shape))
 
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
@@ -144,9 +154,8 @@ def test_weight_source_is_a_vllm_weight_source_and_matches_module_source(world, 
     _vllm_base()
     res = world(2).run(_check_against_vllm, tie)
     r0, r1 = res
-    for owners in (1, 2):  # metadata identical on every rank
+    for owners in ("1", "2", "all"):  # metadata identical on every rank
         assert r0[f"meta{owners}"] == r1[f"meta{owners}"]
-    assert isinstance(r0["checked_iter"], int) or r0["checked_iter"].startswith("skipped")
 
     ours = r0["full1"]  # owners=1: rank 0 has every name, rank 1 none
     assert r1["full1"] == {}
@@ -168,3 +177,9 @@ def test_weight_source_is_a_vllm_weight_source_and_matches_module_source(world, 
     for r in res:
         for name, t in r["full2"].items():
             assert torch.equal(t, ours[name]), name
+    # owners="all": every rank gets every tensor whole, as ModuleSource.iter_full gives it; and the
+    # dim-0 FSDP shards are declared as ModuleSource declares them (the same iter_local pieces)
+    for r in res:
+        assert sorted(r["fullall"]) == sorted(ours)
+        assert all(torch.equal(t, ours[name]) for name, t in r["fullall"].items())
+        assert r["same_layout_pieces"] > 0
