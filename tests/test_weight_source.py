@@ -195,12 +195,40 @@ def test_union_of_owners_is_the_hub_checkpoint(world, hub, family, mesh, owners,
         assert kinds.get("Shard(dim=0)", 0) >= len(ref) // 2, kinds
     if owners == "all" and mesh == "hsdp":
         assert kinds.get("Replicate()+Shard(dim=0)", 0) >= len(ref) // 2, kinds
-    if owners == "all" and mesh == "tp":  # row-wise TP x FSDP (Shard(0), Shard(1)) are plain pieces, and
-        # so are FSDP's Shard(0) over dp of the tensors TP leaves whole (norms): on the dp x tp world
-        assert kinds.get("Shard(dim=0)+Shard(dim=1)", 0) >= 2, kinds
+    if owners == "all" and mesh == "tp":  # FSDP's Shard(0) over dp of the tensors TP leaves whole
+        # (norms) are pieces on the dp x tp world; row-wise TP x FSDP shards both axes, which vLLM's
+        # M2N engine cannot take: whole
         assert kinds.get("Shard(dim=0)+Replicate()", 0) >= 4, kinds
+        assert not any(k.count("Shard") > 1 for k in kinds), kinds
     if family in ("qwen3_moe", "mixtral", "deepseek_v3"):
         assert any(".experts.7." in k for k in ref)  # the Hub's per-expert tensors (gpt-oss ships fused ones)
+
+
+def _m2n_layouts(src: str, dims_kw: dict) -> list[str]:
+    """owners='all' records through vLLM's own M2N planning (m2n_param_meta, its placement check):
+    the layout of each record as M2N takes it."""
+    from vllm.distributed.weight_transfer.m2n_common import REPLICATED, check_placements, m2n_param_meta
+
+    from fsdptk import ParallelDims
+    from fsdptk.hf import from_pretrained, weight_source
+
+    model = from_pretrained(src, dims=ParallelDims(**dims_kw))
+    out = []
+    for meta in weight_source(model, owners="all").metadata:
+        layout = m2n_param_meta(meta, dist.get_world_size()).source_layout
+        if layout.placements is not REPLICATED:
+            check_placements(layout.placements, meta.name)
+        out.append(f"{layout.mesh.dims} {layout.placements}")
+    return out
+
+
+@pytest.mark.parametrize(("family", "mesh"), [("llama", "fsdp4"), ("llama", "tp"), ("llama", "hsdp"),
+                                              ("qwen3_moe", "ep")])
+def test_owners_all_is_what_vllms_m2n_engine_takes(world, hub, family, mesh) -> None:
+    pytest.importorskip("vllm.distributed.weight_transfer.m2n_common")
+    n, dims_kw = MESHES[mesh]
+    layouts = world(n).run(_m2n_layouts, str(hub(family)), dims_kw, timeout=180)[0]
+    assert any("None" not in layout for layout in layouts), layouts  # some pieces served in place
 
 
 # ----------------------------------------------------------------------------------------------

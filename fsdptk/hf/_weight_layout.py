@@ -1,13 +1,13 @@
 """Who holds what, agreed (:func:`fsdptk.hf.weight_source`'s one exchange): the message each rank
 sends (its arguments, its error, what it holds), and from every rank's message the owners of each
 Hub tensor (for ``owners=W`` the assignment of ``save_safetensors(writers=W)``) and, for
-``owners="all"``, the Hub tensors the ranks already hold as a ``torch.chunk`` split in rank order.
+``owners="all"``, the Hub tensors the ranks already hold as a ``torch.chunk`` split in rank order
+(on at most two mesh axes, one of them sharded: what vLLM's M2N engine takes).
 Everything here but :func:`assign` (``writer_ranks``' exchange) runs without communication.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -159,28 +159,21 @@ def _grids(plan: Plan, views: list[SourceView]) -> dict[str, tuple[tuple[int, ..
             mine = [b for n, b in node.leaves(box) if n == name] if node is not None and box is not None else [box]
             boxes.append(mine[0] if len(mine) == 1 else None)
         # the tensor's own mesh first, then the world laid out every other way (a sub-mesh's
-        # tensor, FSDP's Shard(0) over dp of a dp x tp world, is a split of the whole world)
-        for candidate in ([mesh] if mesh is not None else []) + _layouts(len(views)):
+        # tensor, FSDP's Shard(0) over dp of a dp x tp world, is a split of the whole world); only
+        # what vLLM's M2N engine takes: at most two mesh axes, one of them sharded
+        for candidate in ([mesh] if mesh is not None and len(mesh) <= 2 else []) + _layouts(len(views)):
             dims = rank_grid(shapes[name], boxes, candidate)
-            if dims is not None:
+            if dims is not None and sum(d >= 0 for d in dims) <= 1:
                 out[name] = (candidate, dims)
                 break
     return out
 
 
 def _layouts(world: int) -> list[tuple[int, ...]]:
-    """Every row-major mesh shape of ``world`` ranks with at most 3 axes, each above 1 (fewest axes
-    first).
+    """Every row-major mesh shape of ``world`` ranks with one or two axes, each above 1.
 
     Examples:
-        >>> _layouts(8)
-        [(8,), (2, 4), (4, 2), (2, 2, 2)]
+        >>> _layouts(8), _layouts(1)
+        ([(8,), (2, 4), (4, 2)], [(1,)])
     """
-
-    def split(n: int, axes: int) -> Iterator[tuple[int, ...]]:
-        yield (n,)
-        for a in range(2, n) if axes > 1 else ():
-            if n % a == 0:
-                yield from ((a, *rest) for rest in split(n // a, axes - 1))
-
-    return sorted(set(split(world, 3)), key=lambda s: (len(s), s))
+    return [(world,)] + [(a, world // a) for a in range(2, world) if world % a == 0]

@@ -8,8 +8,8 @@ owner (rank 0, or the ranks ``owners`` names, assigned as the writers of
 ``save_safetensors(writers=W)`` are); the per-bucket status agreement of the engine keeps the ranks
 in step however slowly an owner consumes. With ``owners="all"`` (every rank owns every name, as
 vLLM's M2N engine needs) the Hub tensors that the ranks already hold as a ``torch.chunk`` split of
-a DTensor in rank order (FSDP's ``Shard(0)``, row-wise TP x FSDP, HSDP) are declared with that mesh
-shape and those placements, and :meth:`HubWeightSource.iter_local` yields them without any
+a DTensor in rank order (FSDP's ``Shard(0)``, HSDP; at most two mesh axes, one sharded, as vLLM's
+M2N engine takes them) are declared with that mesh shape and those placements, and :meth:`HubWeightSource.iter_local` yields them without any
 communication.
 """
 
@@ -286,8 +286,9 @@ def weight_source(
       ranks that yield the name, in both modes (vLLM's definition): one rank per name with
       ``owners`` 1, W or ``"host"``; every rank, in rank order, with ``owners="all"``, where a Hub
       tensor the ranks already hold as a ``torch.chunk`` split of a DTensor over the ranks in rank
-      order has that ``mesh_shape`` and ``Shard(d)`` / ``Replicate()`` placements (FSDP's
-      ``Shard(0)``, row-wise TP x FSDP, HSDP) and every other one ``placements=None`` (whole).
+      order has that ``mesh_shape`` and ``Shard(d)`` / ``Replicate()`` placements where vLLM's M2N
+      engine can take them (at most two mesh axes, one sharded: FSDP's ``Shard(0)``, HSDP, FSDP of
+      the tensors TP leaves whole) and every other one ``placements=None`` (whole).
     - ``owned_names(rank)``: the names ``rank`` yields, in metadata order; their union is every name.
     - ``iter_full()``: each owned name as a full CPU tensor, in metadata order; nothing on the other
       ranks. Each tensor is gathered point to point to its owner only (never an all-gather; with
