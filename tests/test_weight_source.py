@@ -27,7 +27,7 @@ transformers = pytest.importorskip("transformers")
 
 MESHES = {"fsdp2": (2, {"dp_shard": 2}), "fsdp4": (4, {"dp_shard": 4}), "tp": (4, {"dp_shard": 2, "tp": 2}),
           "hsdp": (4, {"dp_replicate": 2, "dp_shard": 2}), "ep": (4, {"dp_shard": 4, "ep": 2}),
-          "tp_ep": (4, {"dp_shard": 2, "tp": 2, "ep": 4})}
+          "tp_ep": (4, {"dp_shard": 2, "tp": 2, "ep": 2})}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,7 +172,8 @@ CASES = [("llama", "fsdp2", 1, None), ("llama", "fsdp4", 4, None), ("llama", "fs
          ("qwen3_moe", "tp", "all", None), ("qwen3_moe", "hsdp", "host", None), ("qwen3_moe", "ep", 4, None),
          ("qwen3_moe", "ep", 1, "bfloat16"), ("qwen3_moe", "ep", "all", None), ("mixtral", "ep", 4, None),
          ("mixtral", "tp", 1, None), ("deepseek_v3", "fsdp4", 2, None), ("deepseek_v3", "ep", 1, None),
-         ("gpt_oss", "fsdp2", 2, None), ("gpt_oss", "tp", 4, "bfloat16")]
+         ("gpt_oss", "fsdp2", 2, None), ("gpt_oss", "tp", 4, "bfloat16"), ("qwen3_moe", "fsdp2", 1, None),
+         ("qwen3_moe", "tp_ep", "all", None), ("mixtral", "tp_ep", 4, None), ("deepseek_v3", "hsdp", "all", None)]
 
 
 @pytest.mark.parametrize(("family", "mesh", "owners", "dtype"), CASES,
