@@ -232,6 +232,41 @@ def test_owners_all_is_what_vllms_m2n_engine_takes(world, hub, family, mesh) -> 
     assert any("None" not in layout for layout in layouts), layouts  # some pieces served in place
 
 
+def _nf4(owners) -> dict:
+    """A QLoRA-like module (an NF4 base weight, plain bias) sharded with FSDP: what the source gives."""
+    from torch import nn
+
+    from fsdptk import shard_model
+    from fsdptk.hf import weight_source
+    from fsdptk.nf4 import dequantize, to_nf4
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32))
+    want = {"0.weight": dequantize(to_nf4(model[0].weight.detach().clone(), 64, 8)),
+            "0.bias": model[0].bias.detach().clone()}
+    model[0].weight = nn.Parameter(to_nf4(model[0].weight.detach(), 64, 8), requires_grad=False)
+    shard_model(model, [lambda name, module: name == "0"], cpu_offload=False)
+    source = weight_source(model, owners=owners)
+    return {"want": want, "full": dict(source.iter_full()), "local": dict(source.iter_local()),
+            "meta": _meta_rows(source)}
+
+
+@pytest.mark.parametrize("owners", [1, "all"])
+def test_nf4_weights_are_dequantized(world, owners) -> None:
+    results = world(2).run(_nf4, owners, timeout=120)
+    want = results[0]["want"]
+    got: dict[str, torch.Tensor] = {}
+    for r in results:
+        got.update(r["full"])
+    assert sorted(got) == sorted(want)
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want)
+    meta = {m[0]: m for m in results[0]["meta"]}
+    assert meta["0.weight"][5] is None  # an NF4 shard is no plain piece: whole, dequantized
+    for rank, r in enumerate(results):
+        for name, piece in r["local"].items():
+            assert torch.equal(piece, _expected_piece(want[name], meta[name], meta[name][3].index(rank)))
+
+
 # ----------------------------------------------------------------------------------------------
 # lazy consumers: an owner that sleeps and sends on another group while the others run ahead
 def _lazy(src: str, owners) -> dict[str, torch.Tensor]:
