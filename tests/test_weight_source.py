@@ -454,7 +454,7 @@ def _bad(src: str, case: str) -> tuple[str, str]:
     ("owners_and_bucket", "ValueError", ["on owners: ranks 0-2 passed 1, rank 3 passed 2",
                                          "on bucket_bytes: ranks 0, 1, 3 passed None, rank 2 passed 1024"]),
     ("owners_range", "ValueError", ["owners must be between 1 and the world size (4), 'host' or 'all'", "got 7"]),
-    ("adapters", "TypeError", ["has no PEFT adapter"]),
+    ("adapters", "TypeError", ["adapters is for PEFT models: FSDPLlamaForCausalLM has no PEFT adapter"]),
     ("quantize", "ValueError", ["quantize must be None", "'fp8'"]),
 ])
 def test_bad_or_disagreeing_arguments_are_named_on_every_rank(world, llama, case, kind, needles) -> None:

@@ -101,7 +101,9 @@ def _active_adapter(model: nn.Module) -> str:
 
     configs = _peft.peft_configs(model)
     if configs is None:
-        _peft.require_adapter(model, "default")  # raises the TypeError naming the model
+        raise TypeError(f"adapters is for PEFT models: {type(model).__name__} has no PEFT adapter (no "
+                        "peft_config of PeftConfig objects); pass adapters=None, or wrap the model with "
+                        "peft.get_peft_model(model, config) before sharding")
     active = getattr(model, "active_adapter", "default")
     if isinstance(active, (list, tuple)):
         if len(active) != 1:
