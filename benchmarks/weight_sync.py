@@ -13,6 +13,8 @@ engine's send is not timed):
   (what vLLM's NCCL broadcast engine sends from); each is gathered point to point to rank 0 only.
 - ``fsdptk owners=W``: ``weight_source(model, owners=W)``: the Hub tensors spread over every rank by
   bytes, each gathered to its owner.
+- ``fsdptk owners='all'``: ``weight_source(model, owners="all").iter_full()``: every rank gets every
+  Hub tensor whole (what vLLM's IPC engine needs), each gathered point to point to each rank in turn.
 - ``vLLM ModuleSource``: vLLM's ``ModuleSource(model).iter_full()`` on every rank: ``full_tensor()``
   (an all-gather) of every parameter on every rank, under the module's names. Only where vLLM is
   importable in this interpreter (``.venv-vllm``, made by ``scripts/test_vllm.sh``); elsewhere the
@@ -59,9 +61,10 @@ import torch.multiprocessing as mp
 
 __all__ = ["METHODS", "main", "build_model", "render"]
 
-METHODS = ["raw_p2p", "fsdptk_owners1", "fsdptk_ownersW", "vllm_module_source", "gather_all"]
+METHODS = ["raw_p2p", "fsdptk_owners1", "fsdptk_ownersW", "fsdptk_owners_all", "vllm_module_source", "gather_all"]
 LABELS = {"raw_p2p": "raw p2p (same bytes)", "fsdptk_owners1": "fsdptk owners=1",
-          "fsdptk_ownersW": "fsdptk owners=W", "vllm_module_source": "vLLM ModuleSource",
+          "fsdptk_ownersW": "fsdptk owners=W", "fsdptk_owners_all": "fsdptk owners='all'",
+          "vllm_module_source": "vLLM ModuleSource",
           "gather_all": "gather all, then send"}
 _MMAP_THRESHOLD = str(128 * 1024)
 _TCPI_BYTES_RECEIVED = 128  # offset of the u64 tcpi_bytes_received in Linux's struct tcp_info
@@ -170,8 +173,8 @@ def _measure(fn: Any) -> dict[str, float]:
 
     gc.collect()
     dist.barrier()
-    rss, tcp = _status_kib("VmRSS"), _tcp_received()
     _reset_peak()
+    rss, tcp = _status_kib("VmRSS"), _tcp_received()
     t0 = time.perf_counter()
     yielded = fn()
     dist.barrier()
@@ -220,7 +223,8 @@ def _methods(model: Any, world: int) -> dict[str, Any]:
         bufs = [torch.empty(n, dtype=torch.uint8) for n in shares]
     else:
         bufs = [torch.ones(shares[rank - 1], dtype=torch.uint8)]
-    owners1, owners_w = weight_source(model), weight_source(model, owners=world)
+    owners1, owners_w, owners_all = (weight_source(model), weight_source(model, owners=world),
+                                     weight_source(model, owners="all"))
 
     def raw_p2p() -> int:
         if rank == 0:
@@ -242,7 +246,8 @@ def _methods(model: Any, world: int) -> dict[str, Any]:
         return n
 
     fns = {"raw_p2p": raw_p2p, "fsdptk_owners1": lambda: _drain(owners1.iter_full()),
-           "fsdptk_ownersW": lambda: _drain(owners_w.iter_full()), "gather_all": gather_all}
+           "fsdptk_ownersW": lambda: _drain(owners_w.iter_full()),
+           "fsdptk_owners_all": lambda: _drain(owners_all.iter_full()), "gather_all": gather_all}
     if _vllm_problem() is None:
         from vllm.distributed.weight_transfer.base import ModuleSource
 
