@@ -18,7 +18,8 @@ files are symlinks into ``blobs/``).
 - :func:`save_hf_config`: ``config.json`` (and ``generation_config.json``) as ``save_pretrained``
   writes them; :func:`fsdptk.save_safetensors` does this itself for a model with an HF config.
 - :func:`save_adapter` / :func:`load_adapter`: a PEFT adapter (LoRA, DoRA, ...) of a sharded model in
-  PEFT's own format (``adapter_model.safetensors``, ``adapter_config.json``), see docs/hf.md.
+  PEFT's own format (``adapter_model.safetensors``, ``adapter_config.json``), see docs/hf.md;
+  :func:`init_adapters`: fresh LoRA adapters with PEFT's own init from one seed, alike on every rank.
 - :func:`hf_tp_plan`: the model's own tensor-parallel plan as
   DTensor ``ParallelStyle`` objects for :func:`fsdptk.apply_tp` (see docs/hf_2d.md).
 - :func:`hf_ep_plan`: the experts modules of the model's own expert-parallel plan, for
@@ -42,11 +43,12 @@ Examples:
 from __future__ import annotations
 
 from fsdptk._files.hf_config import hf_config
-from fsdptk.hf.adapters import load_adapter, save_adapter
+from fsdptk.hf.adapters import init_adapters, load_adapter, save_adapter
 from fsdptk.hf.build import hf_ep_plan, hf_meta_model, hf_tp_plan, save_hf_config
 from fsdptk.hf.pretrained import from_pretrained
 from fsdptk.hf.weight_source import weight_source
 from fsdptk.predicates import no_split_modules
 
 __all__ = ["from_pretrained", "hf_meta_model", "no_split_modules", "save_hf_config", "hf_config",
-           "hf_tp_plan", "hf_ep_plan", "save_adapter", "load_adapter", "weight_source"]
+           "hf_tp_plan", "hf_ep_plan", "save_adapter", "load_adapter", "init_adapters",
+           "weight_source"]

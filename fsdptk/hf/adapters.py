@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from fsdptk._core.compat import IncompatibleKeys
 from fsdptk._files.hf_config import StagedConfig, stage_files
 
-__all__ = ["save_adapter", "load_adapter", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG"]
+__all__ = ["save_adapter", "load_adapter", "init_adapters", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG"]
 
 PathLike = str | os.PathLike[str]
 
@@ -182,3 +183,103 @@ def load_adapter(
                      rename=lambda key: names.get(key), strict=False, bucket_bytes=bucket_bytes,
                      progress=progress)
     return IncompatibleKeys(missing, unexpected)
+
+
+def init_adapters(
+    model: nn.Module,
+    *,
+    seed: int = 0,
+    adapter_name: str | None = None,
+    device: torch.device | str | None = None,
+    bucket_bytes: int | None = None,
+) -> list[str]:
+    """Initialise fresh PEFT LoRA adapters of a (sharded) model: PEFT's own init, the same on every rank.
+
+    The usual start of a fine-tune, with no adapter file: build the base on ``meta``, wrap it with
+    ``peft.get_peft_model``, ``shard_model``, load the base checkpoint, then call this on every
+    rank. Rank 0 builds each adapter tensor on CPU at its full shape with PEFT's own
+    initialisation (the layer's ``nn.Linear`` constructors and ``reset_lora_parameters``, in the
+    order ``get_peft_model`` creates them) from ``torch.manual_seed(seed)`` in a forked generator,
+    so the values are those ``get_peft_model`` gives in one process after ``torch.manual_seed(seed)``,
+    and neither any rank's RNG state nor its seed matters. One load
+    (:func:`fsdptk.load_from_full_model_state_dict` with ``broadcast_from_rank0=True``, restricted
+    to the adapter keys) then gives each rank the bytes of its shards. Each adapter tensor is
+    sharded like the other parameters of its FSDP unit (``Shard(0)`` over the unit's mesh,
+    replicated over ``dp_replicate`` under HSDP) and FSDP reduces its gradient with the unit's; the
+    frozen base is not touched. Create the optimizer after this call (the adapter Parameters are
+    replaced).
+
+    ``get_peft_model`` after ``shard_model`` is refused: PEFT then adds plain per-rank Parameters
+    that no FSDP unit manages (their gradients never reduced) and, on a mesh whose dims are not
+    named ``fsdp``, sizes them from the local shard.
+
+    Args:
+        model: a ``peft.PeftModel`` (or a model with PEFT tuners injected), its adapters on
+            ``meta`` or holding values (they are overwritten).
+        seed: the seed PEFT's initialisation is replayed from.
+        adapter_name: the one adapter to initialise (``None``: every adapter, in ``peft_config``
+            order, as consecutive ``get_peft_model`` / ``add_adapter`` calls draw them).
+        device: where the shards go (``None``: the device of the model's first parameter not on
+            ``meta``, else CPU).
+        bucket_bytes: full-tensor bytes per scatter bucket.
+
+    Returns:
+        list[str]: the model FQNs of the tensors initialised, in PEFT's creation order.
+
+    Raises:
+        ValueError: the ranks passed different ``seed``, ``adapter_name`` or ``bucket_bytes``; a
+            sharded model whose adapter tensors no FSDP unit manages (names the key, its shape and
+            the full shape the base layer gives). On every rank, before the model changes.
+        TypeError: ``model`` has no PEFT adapter; on every rank.
+        KeyError: no adapter ``adapter_name``; on every rank.
+        NotImplementedError: an adapter PEFT initialises from the base weights (DoRA, PiSSA,
+            OLoRA, LoftQ, ...) or that is not a LoRA factor of ``nn.Linear`` form (embedding LoRA,
+            other tuners), named; on every rank, before the model changes.
+
+    Examples:
+        On every rank (the whole loop runs in docs/hf.md, "Fresh adapters")::
+
+            with torch.device("meta"):
+                base = AutoModelForCausalLM.from_config(config)
+            model = get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+            shard_model(model, no_split_modules(model), cpu_offload=False)
+            load_safetensors(model, base_dir, strict=True)
+            init_adapters(model, seed=0)     # the adapters get_peft_model gives after manual_seed(0)
+
+        >>> import torch
+        >>> init_adapters(torch.nn.Linear(2, 2))
+        Traceback (most recent call last):
+        TypeError: Linear has no PEFT adapter (no peft_config of PeftConfig objects): wrap it with peft.get_peft_model(model, config) before sharding
+    """
+    from fsdptk._core.arguments import agree_arguments
+    from fsdptk._core.dist import is_rank0, run_agreed, world
+    from fsdptk._plans import peft as _peft
+    from fsdptk._plans.peft_fresh import fresh_adapter_plan, fresh_adapter_state, fresh_keys
+    from fsdptk.state_dict import load_from_full_model_state_dict
+
+    agree_arguments("init_adapters", seed=seed, adapter_name=adapter_name, bucket_bytes=bucket_bytes)
+
+    def plan_it() -> list:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        configs = _peft.peft_configs(model) if isinstance(model, nn.Module) else None
+        if adapter_name is not None:
+            return fresh_adapter_plan(model, [adapter_name])
+        return fresh_adapter_plan(model, list(configs) if configs else ["default"])
+
+    plan = run_agreed(plan_it)  # every rank checks the same model alike
+    distributed = world()[0] > 1
+    full_sd = fresh_adapter_state(plan, seed) if is_rank0() or not distributed else {}
+    load_from_full_model_state_dict(model, full_sd, _device(model) if device is None else device,
+                                    strict=False, broadcast_from_rank0=distributed,
+                                    bucket_bytes=bucket_bytes)
+    return fresh_keys(plan)
+
+
+def _device(model: nn.Module) -> torch.device:
+    """The device of the model's first parameter not on ``meta`` (its local shard's), else CPU."""
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if not local.is_meta:
+            return local.device
+    return torch.device("cpu")

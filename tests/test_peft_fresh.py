@@ -1,0 +1,208 @@
+"""Fresh PEFT adapters under FSDP2 (issue 43, item 2): ``fsdptk.hf.init_adapters``.
+
+The usual start of a LoRA fine-tune: meta build -> ``peft.get_peft_model`` -> ``shard_model`` ->
+base load -> ``init_adapters(model, seed=s)``. Judge: PEFT's own ``get_peft_model`` in one process
+after ``torch.manual_seed(s)`` on the same base (transformers' ``from_pretrained``), for Llama (LoRA
+on linear layers, FSDP at 2 ranks) and Qwen3-MoE (LoRA on attention and on the fused experts through
+``target_parameters``, HSDP 2 x 2 at 4 ranks):
+
+- every rank's full adapters (``full_tensor`` on every rank) equal PEFT's, bit for bit, though every
+  rank seeded its own generator differently before the call, and its RNG state is left as it was;
+- after one SGD step on each rank's own rows, every rank's full adapters are the same and equal
+  PEFT's after one step on the whole batch (FSDP reduced the adapters' gradients), and the loss of
+  the whole batch is PEFT's;
+- ``get_peft_model`` after ``shard_model`` on a named mesh (PEFT sized LoRA from the local shard,
+  plain per-rank Parameters) is one ValueError on every rank naming the key and both shapes, the
+  adapters untouched; DoRA (its magnitude needs the base weights) a NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from fsdptk.testing import RemoteError  # noqa: E402
+from tests.test_hf_moe import build_reference  # noqa: E402 - after the skips
+
+_SEED, _LR = 5, 0.5
+_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+# family -> (LoraConfig kwargs, world size, ParallelDims kwargs or None)
+CASES = {
+    "llama": (dict(target_modules=["q_proj", "v_proj", "down_proj"]), 2, None),
+    "qwen3_moe": (dict(target_modules=["q_proj"], target_parameters=_EXPERTS), 4,
+                  {"dp_replicate": 2, "dp_shard": 2}),
+}
+
+
+def _lora(family: str, **extra):
+    return peft.LoraConfig(r=4, lora_alpha=8, **{**CASES[family][0], **extra})
+
+
+def _llama_reference(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("llama_base")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=250,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root)
+    return {"src": root}
+
+
+def _batch() -> torch.Tensor:
+    return torch.randint(3, 250, (4, 8), generator=torch.Generator().manual_seed(7))
+
+
+def _full_adapters(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            out[n] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+    return out
+
+
+def _meta_peft(src: str, lora):
+    config = transformers.AutoConfig.from_pretrained(src)
+    with torch.device("meta"):
+        base = transformers.AutoModelForCausalLM.from_config(config)
+    return peft.get_peft_model(base, lora)
+
+
+def _mesh(dims):
+    from fsdptk import ParallelDims
+
+    if dims is None:
+        return None
+    pd = ParallelDims(**dims)
+    pd.build_mesh("cpu")
+    return pd
+
+
+def _fresh(family: str, src: str, dims) -> dict:
+    """On every rank: PEFT before sharding, base load, init_adapters, one SGD step on own rows."""
+    import torch.distributed as dist
+
+    from fsdptk import load_safetensors, shard_model, validate_no_params_on_meta_device
+    from fsdptk.hf import init_adapters, no_split_modules
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = _meta_peft(src, _lora(family))
+    pd = _mesh(dims)
+    shard_model(model, no_split_modules(model), cpu_offload=False,
+                dp_mesh=pd.fsdp_mesh if pd else None)
+    load_safetensors(model, src, strict=True)
+    on_meta = sorted(n for n, p in model.named_parameters() if p.is_meta)
+    torch.manual_seed(1000 + rank)  # every rank a different generator: no difference
+    state = torch.random.get_rng_state()
+    keys = init_adapters(model, seed=_SEED)
+    rng_kept = torch.equal(state, torch.random.get_rng_state())
+    validate_no_params_on_meta_device(model)
+    attached = _full_adapters(model)
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    batch = _batch()
+    rows = batch.chunk(world)[rank]
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=_LR)
+    model(input_ids=rows, labels=rows).loss.backward()
+    opt.step()
+    with torch.no_grad():
+        whole = model(input_ids=batch, labels=batch).loss.item()
+    return {"on_meta_before": on_meta, "keys": keys, "rng_kept": rng_kept, "attached": attached,
+            "stepped": _full_adapters(model), "trainable": trainable, "whole_loss": whole}
+
+
+def _judge(family: str, src: str) -> dict:
+    """PEFT in one process: manual_seed, get_peft_model, one SGD step on the whole batch."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(src)
+    torch.manual_seed(_SEED)
+    model = peft.get_peft_model(base, _lora(family))
+    attached = _full_adapters(model)
+    batch = _batch()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=_LR)
+    model(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    with torch.no_grad():
+        whole = model(input_ids=batch, labels=batch).loss.item()
+    return {"attached": attached, "stepped": _full_adapters(model), "whole_loss": whole,
+            "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
+
+
+def _source(tmp_path_factory, family: str) -> str:
+    ref = _llama_reference(tmp_path_factory) if family == "llama" else build_reference(
+        tmp_path_factory, family)
+    return str(ref["src"])
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_fresh_adapters_are_peft_init_on_every_rank_before_and_after_a_step(world, tmp_path_factory,
+                                                                            family) -> None:
+    src = _source(tmp_path_factory, family)
+    judge = _judge(family, src)
+    n, dims = CASES[family][1], CASES[family][2]
+    results = world(n).run(_fresh, family, src, dims, timeout=240)
+    assert any(".experts." in k for k in judge["attached"]) == (family == "qwen3_moe")
+    for rank, r in enumerate(results):
+        assert r["on_meta_before"] and all("lora_" in k for k in r["on_meta_before"]), (
+            rank, "the adapters are on meta after the base load until init_adapters")
+        assert r["rng_kept"], rank
+        assert r["trainable"] == judge["trainable"], rank
+        assert sorted(r["keys"]) == sorted(judge["attached"]), rank
+        assert sorted(r["attached"]) == sorted(judge["attached"])
+        for k, want in judge["attached"].items():
+            assert torch.equal(r["attached"][k], want), (rank, k)
+            assert torch.equal(r["stepped"][k], results[0]["stepped"][k]), (rank, k)
+            torch.testing.assert_close(r["stepped"][k], judge["stepped"][k], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, k=k, rank=rank: f"rank {rank} {k}: {m}")
+        assert abs(r["whole_loss"] - judge["whole_loss"]) < 1e-5, (rank, r["whole_loss"])
+    moved = [k for k in judge["stepped"] if not torch.equal(judge["stepped"][k], judge["attached"][k])]
+    assert any("lora_B" in k for k in moved), "the step changed the adapters (B starts at zero)"
+
+
+def _after_sharding(src: str) -> dict:
+    """PEFT after shard_model on a named mesh: init_adapters refuses, adapters untouched."""
+    from fsdptk import load_safetensors, shard_model
+    from fsdptk.hf import init_adapters, no_split_modules
+
+    config = transformers.AutoConfig.from_pretrained(src)
+    with torch.device("meta"):
+        base = transformers.AutoModelForCausalLM.from_config(config)
+    pd = _mesh({"dp_shard": 2})
+    shard_model(base, no_split_modules(base), cpu_offload=False, dp_mesh=pd.fsdp_mesh)
+    load_safetensors(base, src, strict=True)
+    model = peft.get_peft_model(base, _lora("llama"))
+    before = _full_adapters(model)
+    try:
+        init_adapters(model, seed=_SEED)
+    except ValueError as e:
+        after = _full_adapters(model)
+        return {"error": str(e), "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+    return {"error": None}
+
+
+def test_adapters_attached_after_sharding_are_refused_on_every_rank(world, tmp_path_factory) -> None:
+    src = _source(tmp_path_factory, "llama")
+    for rank, r in enumerate(world(2).run(_after_sharding, src, timeout=180)):
+        assert r["error"] is not None, rank
+        # q_proj's weight (64, 64) has 32 local rows: PEFT made lora_B (32, 4), not (64, 4)
+        assert "q_proj.lora_B.default.weight" in r["error"], r["error"]
+        assert "shape [32, 4]" in r["error"] and "gives [64, 4]" in r["error"], r["error"]
+        assert "before shard_model" in r["error"] and r["unchanged"], rank
+
+
+def _dora(src: str) -> None:
+    from fsdptk import shard_model
+    from fsdptk.hf import init_adapters, no_split_modules
+
+    model = _meta_peft(src, _lora("llama", use_dora=True))
+    shard_model(model, no_split_modules(model), cpu_offload=False)
+    init_adapters(model, seed=_SEED)
+
+
+def test_dora_is_refused_on_every_rank(world, tmp_path_factory) -> None:
+    src = _source(tmp_path_factory, "llama")
+    with pytest.raises(RemoteError) as info:
+        world(2).run(_dora, src, timeout=180)
+    outcomes = info.value.per_rank
+    assert all(isinstance(o, RemoteError) and o.exc_type == "NotImplementedError" for o in outcomes)
+    assert all("lora_magnitude_vector" in o.message for o in outcomes), outcomes[0].message
