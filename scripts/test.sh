@@ -6,28 +6,36 @@
 #           parity suite (tests_peers/) in ./.venv-peers (torchtune 0.6.1, torchao 0.14.1,
 #           accelerate; created by benchmarks/setup_peers.sh)
 #   newest  ./.venv-newest: the main suite on the newest Python with the newest torch release
+#   vllm    ./.venv-vllm: vLLM 0.33 with its own torch and transformers (scripts/test_vllm.sh): the
+#           weight source and the quantized saves judged by vLLM's own classes (WeightSource,
+#           ParamMeta, ModuleSource, Fp8Config, Mxfp4Config, per_block_cast_to_fp8)
 #
-# Usage: bash scripts/test.sh [--leg pinned|newest|all] [--no-peers] [pytest args for the main suite...]
-#   --leg L      run one leg only (default: all, pinned first)
+# Usage: bash scripts/test.sh [--leg pinned|newest|vllm|all] [--no-peers] [pytest args for the main suite...]
+#   --leg L      run one leg only (default: all, pinned first, vllm last)
 #   --no-peers   skip the torchtune parity suite, e.g. for a quick local run
 set -euo pipefail
 cd "$(dirname "$0")/.."
-LEGS="pinned newest"
+LEGS="pinned newest vllm"
 PEERS=1
 while [ $# -gt 0 ]; do
     case "$1" in
         --no-peers) PEERS=0; shift ;;
         --leg)
             case "${2:-}" in
-                pinned|newest) LEGS="$2" ;;
-                all) LEGS="pinned newest" ;;
-                *) echo "[test] --leg takes pinned, newest or all, got '${2:-}'" >&2; exit 2 ;;
+                pinned|newest|vllm) LEGS="$2" ;;
+                all) LEGS="pinned newest vllm" ;;
+                *) echo "[test] --leg takes pinned, newest, vllm or all, got '${2:-}'" >&2; exit 2 ;;
             esac
             shift 2 ;;
         *) break ;;
     esac
 done
 for LEG in $LEGS; do
+    if [ "$LEG" = vllm ]; then
+        echo "[test] leg 'vllm': setting up .venv-vllm (scripts/test_vllm.sh)"
+        bash scripts/test_vllm.sh
+        continue
+    fi
     VENV=.venv
     [ "$LEG" = newest ] && VENV=.venv-newest
     echo "[test] leg '$LEG': setting up $VENV"
