@@ -10,5 +10,7 @@ Modules: :mod:`benchmarks.model` (the Llama-style model of configurable size), :
 Subcommands with their own modules: ``wire``, ``hosts``, ``async-save``, ``adapter-save`` and ``hf``
 (:mod:`benchmarks.hf_peer`: transformers' distributed ``from_pretrained`` / ``save_pretrained`` beside
 fsdptk's, over model size and ranks; one rank in :mod:`benchmarks.hf_worker`, the docs section and
-plots in :mod:`benchmarks.hf_report`).
+plots in :mod:`benchmarks.hf_report`), ``weight-sync`` (:mod:`benchmarks.weight_sync`: ``fsdptk.hf.weight_source``
+with one owner and many beside vLLM's ``ModuleSource``, gather-everything-then-send and a raw point-to-point
+transfer of the same bytes).
 """
