@@ -382,22 +382,11 @@ _BLOCK = (32, 32)
 
 
 def _dense(family: str, root: Path, **over) -> Path:
-    """A tiny model in the Hub layout (``save_pretrained``; Qwen3-MoE: one tensor per expert)."""
-    torch.manual_seed(0)
-    kw = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=250, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-              tie_word_embeddings=False)
-    if family == "qwen3_moe":
-        cls = transformers.Qwen3MoeConfig
-        kw.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16)
-    elif family == "gpt_oss":
-        cls = transformers.GptOssConfig
-        kw.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, head_dim=16)
-    else:
-        cls = transformers.LlamaConfig
-    kw.update(over)
-    transformers.AutoModelForCausalLM.from_config(cls(**kw)).save_pretrained(root)
-    return root
+    """A tiny model in the Hub layout (``save_pretrained``; Qwen3-MoE: one tensor per expert), the
+    same as tests/test_hf_quant.py's reads use."""
+    from tests.test_hf_quant import _dense as dense
+
+    return dense(family, root, **over)
 
 
 def _tensors(path: Path) -> dict[str, torch.Tensor]:
