@@ -158,6 +158,27 @@ def _expert_grad_scale(expert_dp_mesh: DeviceMesh | None, dp_mesh: DeviceMesh | 
     return expert_dp / dense_dp
 
 
+def _check_lora_factor_units(model: nn.Module, units: Sequence[Unit]) -> None:
+    """Refuse a unit that is a LoRA factor a PEFT ``ParamWrapper`` reads without calling (LoRA on
+    fused experts): FSDP2 would never gather it before the wrapper's delta reads it (peft#3080).
+    The rule: those factors stay in the unit of their wrapper (or one enclosing it)."""
+    from fsdptk._plans.peft import read_not_called
+
+    read = read_not_called(model)
+    if not read:
+        return
+    for unit in units:
+        for mod in unit.modules:
+            inner = getattr(mod, "_checkpoint_wrapped_module", mod)
+            hit = read.get(id(mod)) or read.get(id(inner))
+            if hit is not None:
+                raise ValueError(
+                    f"'{hit[0]}' cannot be an FSDP unit of its own: the PEFT ParamWrapper '{hit[1]}' "
+                    "reads its LoRA factors without calling the module, so FSDP2 would never gather "
+                    "them before the delta is computed (peft#3080). Leave the factors to the unit of "
+                    "their wrapper (e.g. the decoder layer: no_split_modules(model))")
+
+
 def _set_prefetch(units: list[FSDPModule], forward: int, backward: int) -> None:
     """Explicit prefetch over units in forward order: each unit gathers the next ``forward`` units
     in forward and the previous ``backward`` units (in backward order) in backward."""
@@ -240,7 +261,8 @@ def shard_model(
 
     Raises:
         ValueError: when no module matches (names the conditions), a matched module cannot be an
-            FSDP unit, the model is already sharded, a parameter is 0-dim, ``dp_mesh`` is not 1-D
+            FSDP unit (among them the LoRA factors a PEFT ``ParamWrapper`` reads, which stay in
+            their wrapper's unit: docs/hf.md, "LoRA on the experts"), the model is already sharded, a parameter is 0-dim, ``dp_mesh`` is not 1-D
             or 2-D, or a prefetch depth is not an int >= 0; when the model has expert-parallel
             modules and no ``expert_dp_mesh`` (or one without them), or ``expert_dp_mesh`` is not
             of the experts' mesh or has more ranks than ``dp_mesh``.
@@ -262,6 +284,7 @@ def shard_model(
     _check_options(cpu_offload, dp_mesh, forward_prefetch, backward_prefetch, mp_policy,
                    root_reshard_after_forward)
     plan = make_plan(model, shard_conditions)
+    _check_lora_factor_units(model, plan.units)
     experts = _expert_units(model, expert_dp_mesh)
     expert_scale = _expert_grad_scale(expert_dp_mesh, dp_mesh) if experts else 1.0
     world_size = _shard_world_size(dp_mesh)
