@@ -15,6 +15,10 @@ in one process ->
   ``PeftModel.from_pretrained`` of it reproduces the sharded model's trained logits;
 - an FSDP unit on a LoRA factor the ``ParamWrapper`` reads without calling (what breaks in
   peft#3080) is refused by ``shard_model`` before anything is sharded.
+
+Expert parallelism (item 3 of the brief, its first step): ``hf_ep_plan`` sees through PEFT's
+prefixes (a PEFT Qwen3-MoE with LoRA on attention, ep=2 over 2 FSDP ranks, gives PEFT's logits and
+SGD step), and LoRA on the experts under EP is refused by name (NotImplementedError).
 """
 
 from __future__ import annotations
@@ -196,3 +200,79 @@ def test_a_unit_on_a_factor_the_wrapper_reads_is_refused_before_sharding(world) 
         assert re.search(r"mlp\.experts\.(base_layer\.)?lora_[AB]\.default' cannot be an FSDP unit of "
                          r"its own.*ParamWrapper.*peft#3080", msg), (rank, msg)
         assert not sharded, rank
+
+
+def _ep_attention_lora(src: str, init: str) -> dict:
+    """On every rank: PEFT (LoRA on q_proj) -> hf_ep_plan -> apply_ep (ep=2) -> shard -> loads."""
+    import torch.distributed as dist
+
+    from fsdptk import ParallelDims, apply_ep, gather_cpu_state_dict, load_safetensors, shard_model
+    from fsdptk.hf import hf_ep_plan, load_adapter, no_split_modules
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = transformers.AutoConfig.from_pretrained(src)
+    with torch.device("meta"):
+        base = transformers.AutoModelForCausalLM.from_config(config)
+    model = peft.get_peft_model(base, _attention_lora())
+    dims = ParallelDims(dp_shard=world, ep=2)
+    dims.build_mesh("cpu")
+    experts = hf_ep_plan(model)
+    apply_ep(model, dims.ep_mesh, experts)
+    shard_model(model, no_split_modules(model), cpu_offload=False, dp_mesh=dims.fsdp_mesh,
+                expert_dp_mesh=dims.expert_fsdp_mesh)
+    res = load_safetensors(model, src, strict=True)
+    load_adapter(model, init)
+    batch = _batch()
+    with torch.no_grad():
+        logits = model(input_ids=batch).logits
+    rows = batch.chunk(world)[rank]
+    opt = _sgd(model)
+    model(input_ids=rows, labels=rows).loss.backward()
+    opt.step()
+    return {"experts": experts, "keys": (res.missing_keys, res.unexpected_keys), "logits": logits,
+            "adapters": gather_cpu_state_dict(model, rank == 0, adapter_weights_only=True)}
+
+
+def _attention_lora():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                           init_lora_weights=False)
+
+
+def test_hf_ep_plan_sees_through_peft_and_ep_trains_attention_lora(world, tmp_path_factory) -> None:
+    src = str(build_reference(tmp_path_factory, "qwen3_moe")["src"])
+    torch.manual_seed(4)
+    judge = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(src), _attention_lora())
+    init = tmp_path_factory.mktemp("ep_attention_adapter")
+    judge.save_pretrained(init)
+    batch = _batch()
+    with torch.no_grad():
+        want = judge(input_ids=batch).logits
+    opt = _sgd(judge)
+    judge(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    results = world(2).run(_ep_attention_lora, src, str(init), timeout=240)
+    for rank, r in enumerate(results):
+        assert r["experts"] == [f"base_model.model.model.layers.{i}.mlp.experts" for i in range(2)]
+        assert r["keys"] == ([], []), (rank, r["keys"])
+        torch.testing.assert_close(r["logits"], want, rtol=1e-5, atol=1e-5)
+    adapters = results[0]["adapters"]
+    trained = {k: v for k, v in judge.state_dict().items() if "lora_" in k}
+    assert sorted(adapters) == sorted(trained)
+    for k, v in trained.items():
+        torch.testing.assert_close(adapters[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_lora_on_the_experts_under_ep_is_refused_by_name() -> None:
+    from fsdptk.hf import hf_ep_plan
+
+    config = transformers.Qwen3MoeConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                         num_key_value_heads=1, head_dim=16, vocab_size=64,
+                                         num_experts=4, moe_intermediate_size=8, intermediate_size=32)
+    with torch.device("meta"):
+        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config), _lora())
+    with pytest.raises(NotImplementedError) as info:
+        hf_ep_plan(model)
+    msg = str(info.value)
+    assert "LoRA on the experts under expert parallelism is not supported" in msg
+    assert "ParamWrapper 'base_model.model.model.layers.0.mlp.experts'" in msg
+    assert "['down_proj', 'gate_up_proj']" in msg and "Use ep=1" in msg

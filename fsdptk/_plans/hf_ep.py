@@ -15,9 +15,51 @@ KNOWN = {"ep_dispatch_experts": "module", "grouped_gemm": "parameter"}
 
 
 def experts_from_plan(model: nn.Module) -> list[str]:
-    """The FQNs of the modules the model's EP plan dispatches to, checked against its rules."""
+    """The FQNs of the modules the model's EP plan dispatches to, checked against its rules.
+
+    A PEFT model's plan is its base model's, matched on the base model's module tree (PEFT's
+    prefixes and ``base_layer`` levels read off the tree by :func:`fsdptk._plans.peft.base_modules`)
+    and answered with the PEFT model's own FQNs. LoRA on the experts (a ``ParamWrapper`` over an
+    experts module, ``target_parameters``) is refused: nothing cuts its factors to each rank's
+    experts yet.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    from fsdptk._plans.peft import base_model, base_modules
+
+    view = base_modules(model)
+    if view is None:
+        return _experts(model, dict(model.named_modules()))
+    base = _experts(base_model(model), {b: m for b, (_, m) in view.items()})
+    real = [view[b][0] for b in base]
+    _refuse_wrapped(model, real)
+    return real
+
+
+def _refuse_wrapped(model: nn.Module, experts: list[str]) -> None:
+    """NotImplementedError naming a PEFT ``ParamWrapper`` over one of ``experts``."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    modules = dict(model.named_modules())
+    for fqn in experts:
+        parent = fqn.rpartition(".")[0]
+        if fqn.endswith(".base_layer") and isinstance(modules.get(parent), ParamWrapper):
+            outer = parent
+            while outer.endswith(".base_layer") and isinstance(modules.get(outer.rpartition(".")[0]),
+                                                                ParamWrapper):
+                outer = outer.rpartition(".")[0]
+            wrapped = sorted({m.parameter_name for f, m in modules.items()
+                              if isinstance(m, ParamWrapper) and (f == outer or f.startswith(f"{outer}."))})
+            raise NotImplementedError(
+                f"LoRA on the experts under expert parallelism is not supported: PEFT's ParamWrapper "
+                f"'{outer}' (target_parameters {wrapped}) wraps experts module '{fqn}', and fsdptk "
+                "does not cut its LoRA factors (A (r * E, in), B (out, r * E)) to each rank's "
+                "experts. Use ep=1 (FSDP / HSDP shard the factors with their decoder layer), or "
+                "LoRA on the other layers only (target_modules, no target_parameters) with ep > 1")
+
+
+def _experts(model: nn.Module, modules: dict[str, nn.Module]) -> list[str]:
+    """The experts modules of ``model``'s plan among ``modules`` (fqn -> module)."""
     plan = getattr(model, "ep_plan", None) or getattr(model, "_ep_plan", None) or {}
     if not plan:
         raise ValueError(
@@ -28,7 +70,6 @@ def experts_from_plan(model: nn.Module) -> list[str]:
         if string not in KNOWN:
             raise ValueError(f"ep_plan style '{string}' of '{rule}' has no translation; translated "
                              f"styles: {sorted(KNOWN)}")
-    modules = dict(model.named_modules())
     experts = [f for f in modules if plan.get(f, plan.get(_generic(f))) == "ep_dispatch_experts"]
     if not experts:
         raise ValueError(f"{type(model).__name__}'s ep_plan {plan} names no module of the model "
