@@ -16,6 +16,7 @@ Examples::
     python -m benchmarks adapter-save --worlds 2     # LoRA adapter save vs accelerate's FSDP2 path
     python -m benchmarks hf --quick                  # transformers' distributed load/save beside fsdptk's
     python -m benchmarks weight-sync --size 1 --worlds 2 4   # weights out to an inference engine (issue 41)
+    python -m benchmarks quant-save --size 1 --worlds 2 4 --writers 1 W   # FP8 save vs unquantized (issue 42)
 
 ``--device cuda`` runs the same scenarios with each rank on its own GPU (``cuda:<rank>``) over NCCL:
 shards are loaded onto / gathered from the GPUs, the in-memory full states the methods read are in
@@ -350,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         from .weight_sync import main as weight_sync_main
 
         return weight_sync_main(argv[1:])
+    if argv[:1] == ["quant-save"]:  # FP8 saves beside the unquantized one and save_file of the same bytes
+        from .quant_save import main as quant_save_main
+
+        return quant_save_main(argv[1:])
     args = parse_args(argv)
     if args.device == "cuda" and not args.from_json:
         problem = cuda_problem(args)

@@ -185,3 +185,34 @@ def test_profile_phases_time_each_step_and_restore_it():
     assert wall > 0 and cpu > 0
     assert _TimedChild.build(3) == 3 and "build" not in _TimedChild.__dict__
     assert totals["build"] == [wall, cpu]  # restored: calls no longer counted
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m benchmarks quant-save: every method's clock starts from the same state
+def test_quant_save_methods_start_alike_and_fp8_writes_fewer_bytes(tmp_path):
+    """The real ``quant-save`` worker on a tiny Llama (1 rank): the unquantized save, the FP8 save
+    and ``save_file`` of the FP8 files' tensors start their clocks with the same modules imported
+    (every method's warm-up runs first in every process); the FP8 files hold e4m3 weights and are
+    smaller, the limit re-writes the same bytes, and the table renders."""
+    from benchmarks.quant_save import METHODS, render
+    from benchmarks.runner import launch_workers
+
+    work = tmp_path / "work"
+    outputs = {m: str(work / m) for m in METHODS}
+    runs, seen = {}, {}
+    for method in ("unquantized", "fp8", "save_file_fp8"):
+        spec = {"model": "llama", "size": 0.002, "dtype": "float32", "method": method, "writers": 1,
+                "work_dir": str(work), "outputs": outputs, "record_modules": True}
+        res = launch_workers(spec, 1, sys.executable, tmp_path / "runs" / method, 300, module="benchmarks.quant_save")
+        assert res.status == "ok", res.error
+        seen[method] = set(res.ranks[0].pop("preclock_modules"))
+        runs[method] = [{"status": res.status, "error": res.error, "ranks": res.ranks}]
+    assert seen["unquantized"] == seen["fp8"] == seen["save_file_fp8"]
+    rank0 = {m: r[0]["ranks"][0] for m, r in runs.items()}
+    assert "F8_E4M3" in rank0["fp8"]["dtypes"] and "F8_E4M3" not in rank0["unquantized"]["dtypes"]
+    assert rank0["fp8"]["file_bytes"] < 0.75 * rank0["unquantized"]["file_bytes"]  # fp32 embeddings and head kept
+    assert rank0["save_file_fp8"]["dtypes"] == rank0["fp8"]["dtypes"]
+    assert abs(rank0["save_file_fp8"]["file_bytes"] - rank0["fp8"]["file_bytes"]) < 64 * 1024  # headers differ
+    table = render({"model": "llama", "dtype": "float32", "repeats": 1,
+                    "cells": [{"world": 1, "writers": 1, "runs": runs}]})
+    assert "| fsdptk fp8 |" in table and "| save_file (fp8 bytes) |" in table
