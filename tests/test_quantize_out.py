@@ -5,7 +5,7 @@
   every valid q (hypothesis); the e2m1 rounding against its definition on every value.
 - Exactness against the libraries that serve these files: FP8 bytes and scales equal vLLM's own
   ``per_block_cast_to_fp8`` bit for bit (float32 and ue8m0 scales; skipped unless vLLM imports:
-  ``bash scripts/test_vllm.sh tests/test_quantize_out.py``), and without vLLM equal a transcription
+  ``bash scripts/test_vllm.sh``, the vllm leg), and without vLLM equal a transcription
   of its arithmetic written here; vLLM's ``Fp8Config`` / ``Mxfp4Config.from_config`` accept the
   ``quantization_config`` a save writes.
 - Releases written at 2 ranks (FSDP) with 1 writer and with 2: a tiny Llama and a tiny Qwen3-MoE in
