@@ -14,7 +14,9 @@ in one process ->
   tensors bit for bit, adapter_config.json), close to the judge's own trained save, and
   ``PeftModel.from_pretrained`` of it reproduces the sharded model's trained logits;
 - an FSDP unit on a LoRA factor the ``ParamWrapper`` reads without calling (what breaks in
-  peft#3080) is refused by ``shard_model`` before anything is sharded.
+  peft#3080) is refused by ``shard_model`` before anything is sharded;
+- a bad experts adapter (an expert's block of A missing, another rank ``r``) is one ValueError on
+  every rank naming the key and both shapes (and both ``r``), the adapters left on ``meta``.
 
 Expert parallelism (item 3 of the brief, its first step): ``hf_ep_plan`` sees through PEFT's
 prefixes (a PEFT Qwen3-MoE with LoRA on attention, ep=2 over 2 FSDP ranks, gives PEFT's logits and
@@ -276,3 +278,51 @@ def test_lora_on_the_experts_under_ep_is_refused_by_name() -> None:
     assert "LoRA on the experts under expert parallelism is not supported" in msg
     assert "ParamWrapper 'base_model.model.model.layers.0.mlp.experts'" in msg
     assert "['down_proj', 'gate_up_proj']" in msg and "Use ep=1" in msg
+
+
+def _bad_adapter(src: str, bad: str) -> tuple[str, str, bool]:
+    """On every rank: the composition up to load_adapter of a bad experts adapter."""
+    from fsdptk import load_safetensors, shard_model
+    from fsdptk.hf import load_adapter, no_split_modules
+
+    config = transformers.AutoConfig.from_pretrained(src)
+    with torch.device("meta"):
+        base = transformers.AutoModelForCausalLM.from_config(config)
+    model = peft.get_peft_model(base, _lora())
+    shard_model(model, no_split_modules(model), cpu_offload=False)
+    load_safetensors(model, src, strict=True)
+    try:
+        load_adapter(model, bad)
+    except (ValueError, KeyError) as e:
+        untouched = all(p.is_meta for n, p in model.named_parameters() if "lora_" in n)
+        return type(e).__name__, str(e), untouched
+    return "", "", False
+
+
+@pytest.mark.parametrize("case", ["missing_expert_block", "other_rank"])
+def test_a_bad_experts_adapter_is_named_on_every_rank_before_the_model_changes(world, tmp_path_factory,
+                                                                               case) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = str(build_reference(tmp_path_factory, "qwen3_moe")["src"])
+    torch.manual_seed(3)
+    r = 8 if case == "other_rank" else 4
+    lora = peft.LoraConfig(r=r, lora_alpha=8, target_modules=["q_proj"], target_parameters=_EXPERTS,
+                           init_lora_weights=False)
+    bad = tmp_path_factory.mktemp(f"bad_{case}")
+    peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(src), lora).save_pretrained(bad)
+    key = "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"  # gate_up's A (r*E, H)
+    if case == "missing_expert_block":  # the last expert's r rows of A cut off
+        tensors = load_file(bad / "adapter_model.safetensors")
+        tensors[key] = tensors[key][:-4].contiguous()
+        save_file(tensors, bad / "adapter_model.safetensors", metadata={"format": "pt"})
+    results = world(2).run(_bad_adapter, src, str(bad), timeout=180)
+    for rank, (kind, msg, untouched) in enumerate(results):
+        assert kind == "ValueError" and untouched, (rank, kind, msg)
+        if case == "missing_expert_block":
+            assert f"'{key}': shape [28, 64] in the file, [32, 64] in the model" in msg, msg
+        else:
+            assert "shape [64, 64] in the file, [32, 64] in the model" in msg, msg
+            assert "r: 8 in adapter_config.json, 4 in the model's adapter 'default'" in msg, msg
+    # the same error on every rank; the others name the rank that found it
+    assert len({m.removesuffix(" (on rank 0)") for _, m, _ in results}) == 1
