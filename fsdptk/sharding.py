@@ -162,7 +162,7 @@ def _check_lora_factor_units(model: nn.Module, units: Sequence[Unit]) -> None:
     """Refuse a unit that is a LoRA factor a PEFT ``ParamWrapper`` reads without calling (LoRA on
     fused experts): FSDP2 would never gather it before the wrapper's delta reads it (peft#3080).
     The rule: those factors stay in the unit of their wrapper (or one enclosing it)."""
-    from fsdptk._plans.peft import read_not_called
+    from fsdptk._plans.peft_wrappers import read_not_called
 
     read = read_not_called(model)
     if not read:
@@ -177,6 +177,18 @@ def _check_lora_factor_units(model: nn.Module, units: Sequence[Unit]) -> None:
                     "reads its LoRA factors without calling the module, so FSDP2 would never gather "
                     "them before the delta is computed (peft#3080). Leave the factors to the unit of "
                     "their wrapper (e.g. the decoder layer: no_split_modules(model))")
+
+
+def _check_no_lora_on_ep_experts(model: nn.Module, experts: list[tuple[str, nn.Module]]) -> None:
+    """NotImplementedError for an expert-parallel module whose parameters PEFT wraps (LoRA on the
+    experts under EP, e.g. ``apply_ep`` given the wrapped module's FQN by hand)."""
+    from fsdptk._plans.peft_wrappers import lora_on_ep_experts, param_wrapped
+
+    wrapped = param_wrapped(model) if experts else {}
+    for fqn, module in experts:
+        hit = wrapped.get(id(module))
+        if hit is not None:
+            raise NotImplementedError(lora_on_ep_experts(hit[0], hit[1], fqn))
 
 
 def _set_prefetch(units: list[FSDPModule], forward: int, backward: int) -> None:
@@ -267,6 +279,8 @@ def shard_model(
             modules and no ``expert_dp_mesh`` (or one without them), or ``expert_dp_mesh`` is not
             of the experts' mesh or has more ranks than ``dp_mesh``.
         ShardConditionError: when a condition raises; names the condition and the module FQN.
+        NotImplementedError: an expert-parallel module whose parameters carry PEFT LoRA
+            (``target_parameters``): LoRA on the experts under EP is not built.
         RuntimeError: when ``cpu_offload=True`` without an accelerator, or without a mesh and a
             process group. In every error case the model is left unchanged.
         TypeError: on arguments of the wrong type.
@@ -286,6 +300,7 @@ def shard_model(
     plan = make_plan(model, shard_conditions)
     _check_lora_factor_units(model, plan.units)
     experts = _expert_units(model, expert_dp_mesh)
+    _check_no_lora_on_ep_experts(model, experts)
     expert_scale = _expert_grad_scale(expert_dp_mesh, dp_mesh) if experts else 1.0
     world_size = _shard_world_size(dp_mesh)
     summary = summarise(plan, world_size)

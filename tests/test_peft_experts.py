@@ -20,7 +20,8 @@ in one process ->
 
 Expert parallelism (item 3 of the brief, its first step): ``hf_ep_plan`` sees through PEFT's
 prefixes (a PEFT Qwen3-MoE with LoRA on attention, ep=2 over 2 FSDP ranks, gives PEFT's logits and
-SGD step), and LoRA on the experts under EP is refused by name (NotImplementedError).
+SGD step), and LoRA on the experts under EP is refused by name (NotImplementedError): by
+``hf_ep_plan``, and by ``shard_model`` when ``apply_ep`` was given the wrapped module by hand.
 """
 
 from __future__ import annotations
@@ -326,3 +327,34 @@ def test_a_bad_experts_adapter_is_named_on_every_rank_before_the_model_changes(w
             assert "r: 8 in adapter_config.json, 4 in the model's adapter 'default'" in msg, msg
     # the same error on every rank; the others name the rank that found it
     assert len({m.removesuffix(" (on rank 0)") for _, m, _ in results}) == 1
+
+
+def _ep_by_hand() -> tuple[str, str, bool]:
+    """On every rank: apply_ep on the experts module PEFT wraps, named by hand, then shard_model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdptk import ParallelDims, apply_ep, shard_model
+    from fsdptk.hf import no_split_modules
+
+    config = transformers.Qwen3MoeConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, head_dim=16, vocab_size=64,
+                                         num_experts=4, moe_intermediate_size=8, intermediate_size=32)
+    with torch.device("meta"):
+        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config), _lora())
+    dims = ParallelDims(dp_shard=2, ep=2)
+    dims.build_mesh("cpu")
+    inner = "base_model.model.model.layers.0.mlp.experts.base_layer.base_layer"
+    apply_ep(model, dims.ep_mesh, [inner])
+    try:
+        shard_model(model, no_split_modules(model), cpu_offload=False, dp_mesh=dims.fsdp_mesh,
+                    expert_dp_mesh=dims.expert_fsdp_mesh)
+    except NotImplementedError as e:
+        return type(e).__name__, str(e), any(isinstance(m, FSDPModule) for m in model.modules())
+    return "", "", True
+
+
+def test_lora_on_experts_made_expert_parallel_by_hand_is_refused_by_shard_model(world) -> None:
+    for rank, (kind, msg, sharded) in enumerate(world(2).run(_ep_by_hand, timeout=120)):
+        assert kind == "NotImplementedError" and not sharded, (rank, kind, msg)
+        assert "LoRA on the experts under expert parallelism is not supported" in msg, msg
+        assert "'base_model.model.model.layers.0.mlp.experts.base_layer.base_layer'" in msg, msg

@@ -38,24 +38,14 @@ def experts_from_plan(model: nn.Module) -> list[str]:
 
 def _refuse_wrapped(model: nn.Module, experts: list[str]) -> None:
     """NotImplementedError naming a PEFT ``ParamWrapper`` over one of ``experts``."""
-    from peft.tuners.lora.layer import ParamWrapper
+    from fsdptk._plans.peft_wrappers import lora_on_ep_experts, param_wrapped
 
+    wrapped = param_wrapped(model)
     modules = dict(model.named_modules())
     for fqn in experts:
-        parent = fqn.rpartition(".")[0]
-        if fqn.endswith(".base_layer") and isinstance(modules.get(parent), ParamWrapper):
-            outer = parent
-            while outer.endswith(".base_layer") and isinstance(modules.get(outer.rpartition(".")[0]),
-                                                                ParamWrapper):
-                outer = outer.rpartition(".")[0]
-            wrapped = sorted({m.parameter_name for f, m in modules.items()
-                              if isinstance(m, ParamWrapper) and (f == outer or f.startswith(f"{outer}."))})
-            raise NotImplementedError(
-                f"LoRA on the experts under expert parallelism is not supported: PEFT's ParamWrapper "
-                f"'{outer}' (target_parameters {wrapped}) wraps experts module '{fqn}', and fsdptk "
-                "does not cut its LoRA factors (A (r * E, in), B (out, r * E)) to each rank's "
-                "experts. Use ep=1 (FSDP / HSDP shard the factors with their decoder layer), or "
-                "LoRA on the other layers only (target_modules, no target_parameters) with ep > 1")
+        hit = wrapped.get(id(modules[fqn]))
+        if hit is not None:
+            raise NotImplementedError(lora_on_ep_experts(hit[0], hit[1], fqn))
 
 
 def _experts(model: nn.Module, modules: dict[str, nn.Module]) -> list[str]:

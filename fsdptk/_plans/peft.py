@@ -37,7 +37,6 @@ __all__ = [
     "base_view",
     "check_adapter_dir",
     "peft_configs",
-    "read_not_called",
     "require_adapter",
     "staged_adapter_config",
     "without_left_adapters",
@@ -352,24 +351,3 @@ def check_adapter_dir(weights: Any, config_file: Any, names: Mapping[str, str],
         raise StateDictMismatchError.for_keys(missing, unexpected, "adapter " + repr(adapter_name))
     return missing, unexpected
 
-
-def read_not_called(model: nn.Module) -> dict[int, tuple[str, str]]:
-    """``{id(module): (module fqn, wrapper fqn)}`` of the modules whose parameters a PEFT
-    ``ParamWrapper`` (LoRA on a parameter: ``target_parameters``, e.g. fused MoE experts) reads
-    without calling them: its ``lora_A`` / ``lora_B`` and their per-adapter ``nn.Linear``. FSDP2
-    gathers a unit's parameters in the unit's forward hook, which never runs for these, so such a
-    module cannot be an FSDP unit of its own (the wrapper would read sharded factors: peft#3080).
-    Empty for a model without PEFT adapters."""
-    if peft_configs(model) is None:
-        return {}
-    from peft.tuners.lora.layer import ParamWrapper
-
-    out: dict[int, tuple[str, str]] = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, ParamWrapper):
-            for part in ("lora_A", "lora_B"):
-                holder = getattr(mod, part)
-                out[id(holder)] = (f"{name}.{part}", name)
-                for adapter, sub in holder.items():
-                    out[id(sub)] = (f"{name}.{part}.{adapter}", name)
-    return out
