@@ -11,8 +11,9 @@ in one process ->
 - one SGD step on each rank's own rows: each rank's loss is PEFT's on those rows, and the adapters
   after the step (gathered) and the whole-batch loss are PEFT's after a step on the whole batch;
 - ``save_adapter`` writes what PEFT's ``save_pretrained`` writes from the same weights (keys,
-  tensors bit for bit, adapter_config.json), close to the judge's own trained save, and
-  ``PeftModel.from_pretrained`` of it reproduces the sharded model's trained logits;
+  tensors bit for bit, adapter_config.json), close to the judge's own trained save,
+  ``PeftModel.from_pretrained`` of it reproduces the sharded model's trained logits, and so does a
+  new sharded model that loads the base and ``load_adapter`` of it (resume);
 - an FSDP unit on a LoRA factor the ``ParamWrapper`` reads without calling (what breaks in
   peft#3080) is refused by ``shard_model`` before anything is sharded;
 - a bad experts adapter (an expert's block of A missing, another rank ``r``) is one ValueError on
@@ -111,11 +112,19 @@ def _train(src: str, init: str, out: str, dims) -> dict:
         trained = model(input_ids=batch).logits
     adapters = gather_cpu_state_dict(model, rank == 0, adapter_weights_only=True)
     save_adapter(model, out)
+    # resume: a new model, the base, the saved adapter -> the trained logits
+    with torch.device("meta"):
+        again = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config), _lora())
+    shard_model(again, no_split_modules(again), cpu_offload=False, dp_mesh=mesh)
+    load_safetensors(again, src, strict=True)
+    load_adapter(again, out)
+    with torch.no_grad():
+        resumed = again(input_ids=batch).logits
     shard_dims = {n: (p.shape[0], p.to_local().shape[0]) for n, p in model.named_parameters()
                   if "experts" in n and "lora_" in n}
     return {"keys": (res.missing_keys, res.unexpected_keys, ares.missing_keys, ares.unexpected_keys),
             "logits": logits, "loss": loss.item(), "whole": whole, "trained": trained,
-            "adapters": adapters, "shard_dims": shard_dims}
+            "adapters": adapters, "shard_dims": shard_dims, "resumed": resumed}
 
 
 @pytest.mark.parametrize("family", list(CASES))
@@ -136,6 +145,7 @@ def test_lora_on_the_experts_loads_trains_and_saves_as_peft(world, tmp_path_fact
         # the experts' factors are FSDP-sharded: dim 0 over the 2 shard ranks, not replicated
         assert r["shard_dims"] and all(local == full // 2 for full, local in r["shard_dims"].values()), (
             r["shard_dims"])
+        torch.testing.assert_close(r["resumed"], r["trained"], rtol=1e-6, atol=1e-6)
     ours = results[0]["adapters"]
     assert all(r["adapters"] == {} for r in results[1:])
     assert sorted(ours) == sorted(judge["adapters"])
