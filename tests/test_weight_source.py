@@ -9,7 +9,10 @@ every rank; the ``iter_local`` pieces put together by their placements are the f
 ``iter_buckets`` is ``iter_full`` regrouped within ``bucket_bytes``. A consumer on the owners that
 sleeps and sends each tensor on a second process group between buckets hangs nothing; a
 ``.throw`` on one owner raises on every rank; ranks that disagree on an argument are named; a second
-pass reads the current weights; PEFT adapters alone and merged equal PEFT's own.
+pass reads the current weights; PEFT adapters alone and merged equal PEFT's own. Quantized
+(``quantize="fp8"``, ``"fp8-ue8m0"``, ``"mxfp4"``): the owners' tensors together are what
+``save_safetensors(quantize=...)`` writes for the same model, bit for bit, with its
+``quantization_config``.
 """
 
 from __future__ import annotations
@@ -268,6 +271,121 @@ def test_nf4_weights_are_dequantized(world, owners) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# quantized on the way out (issue 42): the release save_safetensors(quantize=...) writes, streamed
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes (float8 has no ``torch.equal`` on CPU; -0.0 and NaN payloads count)."""
+    return t.contiguous().view(torch.uint8)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def _pack(pairs) -> list[tuple[str, torch.dtype, tuple[int, ...], torch.Tensor]]:
+    """``(name, tensor)`` pairs as their bytes, for the way back from a worker (float8 tensors do
+    not unpickle in torch 2.13); :func:`_unpack` restores them."""
+    return [(n, t.dtype, tuple(t.shape), _bits(t).flatten().clone()) for n, t in pairs]
+
+
+def _unpack(packed) -> list[tuple[str, torch.Tensor]]:
+    return [(n, raw.view(dtype).reshape(shape)) for n, dtype, shape, raw in packed]
+
+
+def _quantized(src: str, dims_kw: dict, quantize: str, block, dtype: str | None, out: str) -> dict:
+    """The same sharded model saved with ``save_safetensors(conversion="auto", quantize=...)`` to
+    ``out``, and streamed by ``weight_source(quantize=...)`` with owners 1, 2 and 'all'."""
+    from fsdptk import ParallelDims, save_safetensors
+    from fsdptk.hf import from_pretrained, weight_source
+
+    model = from_pretrained(src, dims=ParallelDims(**dims_kw))
+    kw: dict = {} if block is None else {"block_size": block}
+    if dtype is not None:  # quantized from the cast tensor, on both sides
+        kw["dtype"] = getattr(torch, dtype)
+    save_safetensors(model, out, conversion="auto", quantize=quantize, **kw)
+    world = dist.get_world_size()
+    got = {}
+    for owners in (1, 2, "all"):
+        source = weight_source(model, owners=owners, quantize=quantize, bucket_bytes=20_000, **kw)
+        got[owners] = {"meta": _meta_rows(source), "owned": [source.owned_names(r) for r in range(world)],
+                       "full": _pack(source.iter_full()), "local": _pack(source.iter_local()),
+                       "config": source.quantization_config}
+    return got
+
+
+def _check_quantized(results: list[dict], ref: dict[str, torch.Tensor], config: dict, owners) -> None:
+    """Every owner's iter_full together is the saved release, name for name and bit for bit (dtype
+    included); each rank yields exactly its owned names; quantized tensors are never local pieces."""
+    n = len(results)
+    runs = [{**r[owners], "full": _unpack(r[owners]["full"]), "local": _unpack(r[owners]["local"])} for r in results]
+    meta = runs[0]["meta"]
+    assert all(r["meta"] == meta for r in runs), "the metadata differs between ranks"
+    assert all(r["config"] == config for r in runs), (runs[0]["config"], config)
+    assert [m[0] for m in meta] == list(dict.fromkeys(m[0] for m in meta)) and sorted(m[0] for m in meta) == sorted(ref)
+    by_meta = {m[0]: m for m in meta}
+    union: dict[str, torch.Tensor] = {}
+    for rank, r in enumerate(runs):
+        assert r["owned"] == runs[0]["owned"]
+        assert [name for name, _ in r["full"]] == r["owned"][rank] == [m[0] for m in meta if rank in m[3]]
+        for name, t in r["full"]:
+            assert str(t.dtype) == by_meta[name][1] and tuple(t.shape) == by_meta[name][2], name
+            assert _same(t, ref[name]), (rank, name, t.dtype, ref[name].dtype)
+            union[name] = t
+        assert [name for name, _ in r["local"]] == r["owned"][rank]
+        for name, piece in r["local"]:
+            m = by_meta[name]
+            assert _same(piece, _expected_piece(ref[name], m, m[3].index(rank))), (rank, name)
+    assert sorted(union) == sorted(ref)
+    if owners == "all":
+        assert all(m[3] == tuple(range(n)) for m in meta)
+        written = [m for m in meta if ref[m[0]].dtype in (torch.float8_e4m3fn, torch.uint8)
+                   or m[0].endswith(("_scale_inv", "_scales", "_blocks"))]
+        assert written and all(m[5] is None for m in written), [m for m in written if m[5] is not None][:2]
+        assert any(m[5] is not None for m in meta), "no unquantized tensor served as a local piece"
+    else:
+        writers = [w * n // owners for w in range(owners)]
+        assert all(len(m[3]) == 1 and m[5] is None for m in meta)
+        assert sorted({m[3][0] for m in meta}) == writers
+
+
+QUANT_CASES = [(family, mesh, quantize, block, None) for family in ("llama", "qwen3_moe") for mesh in ("fsdp2", "tp")
+               for quantize, block in (("fp8", None), ("fp8-ue8m0", (32, 48)))] + [
+    ("llama", "fsdp2", "fp8", None, "bfloat16"), ("gpt_oss", "fsdp2", "mxfp4", None, None)]
+
+
+@pytest.mark.parametrize(("family", "mesh", "quantize", "block", "dtype"), QUANT_CASES,
+                         ids=[f"{f}-{m}-{q}-{b or 'default'}-{d or 'model'}" for f, m, q, b, d in QUANT_CASES])
+def test_quantize_streams_exactly_the_quantized_save(world, hub, tmp_path, family, mesh, quantize, block,
+                                                     dtype) -> None:
+    """``weight_source(quantize=...)`` at 2 ranks (FSDP) and 4 (FSDP x TP), owners 1, 2 and 'all':
+    the union of the owners' tensors is what ``save_safetensors(conversion="auto", quantize=...)``
+    writes for the same model (e4m3 weights with float32 scales, ue8m0 scales on a rounded-up grid,
+    gpt-oss's MXFP4 blocks and scales; with ``dtype``: quantized from the cast tensors), bit for
+    bit, and ``quantization_config`` is its config.json's."""
+    import json
+
+    n, dims_kw = MESHES[mesh]
+    out = tmp_path / "release"
+    results = world(n).run(_quantized, str(hub(family)), dims_kw, quantize, block, dtype, str(out), timeout=240)
+    ref = _tensors(out)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    dtypes = {t.dtype for t in ref.values()}
+    if quantize == "mxfp4":
+        assert config["quant_method"] == "mxfp4" and torch.uint8 in dtypes
+        assert any(k.endswith("experts.gate_up_proj_blocks") for k in ref)
+    else:
+        assert config["quant_method"] == "fp8" and torch.float8_e4m3fn in dtypes
+        assert config["weight_block_size"] == list(block or (128, 128))
+        assert config.get("scale_fmt") == ("ue8m0" if quantize == "fp8-ue8m0" else None)
+        assert "model.layers.0.self_attn.q_proj.weight_scale_inv" in ref
+        if family == "qwen3_moe":  # the fused experts, quantized per expert in the Hub layout
+            assert ref["model.layers.1.mlp.experts.7.down_proj.weight"].dtype == torch.float8_e4m3fn
+    if dtype is not None:
+        assert ref["model.norm.weight"].dtype == getattr(torch, dtype)
+    for owners in (1, 2, "all"):
+        _check_quantized(results, ref, config, owners)
+
+
+# ----------------------------------------------------------------------------------------------
 # lazy consumers: an owner that sleeps and sends on another group while the others run ahead
 def _lazy(src: str, owners) -> dict[str, torch.Tensor]:
     from fsdptk import ParallelDims
@@ -441,6 +559,12 @@ def _bad(src: str, case: str) -> tuple[str, str]:
         kw = {"adapters": "merged"}  # no PEFT adapter
     elif case == "quantize":
         kw = {"quantize": "fp8"} if rank == 0 else {}
+    elif case == "quantize_value":
+        kw = {"quantize": "int8" if rank == 2 else "fp8"}
+    elif case == "block_size":
+        kw = {"quantize": "fp8", "block_size": (64, 64) if rank == 3 else (128, 128)}
+    elif case == "mxfp4_dense":
+        kw = {"quantize": "mxfp4"}  # a Llama has no gpt-oss experts
     try:
         weight_source(model, **kw)
     except Exception as e:  # noqa: BLE001 - what every rank raised
@@ -455,7 +579,12 @@ def _bad(src: str, case: str) -> tuple[str, str]:
                                          "on bucket_bytes: ranks 0, 1, 3 passed None, rank 2 passed 1024"]),
     ("owners_range", "ValueError", ["owners must be between 1 and the world size (4), 'host' or 'all'", "got 7"]),
     ("adapters", "TypeError", ["adapters is for PEFT models: FSDPLlamaForCausalLM has no PEFT adapter"]),
-    ("quantize", "ValueError", ["quantize must be None", "'fp8'"]),
+    ("quantize", "ValueError", ["weight_source: the ranks disagree on quantize: rank 0 passed 'fp8', ranks 1-3 "
+                                "passed None"]),
+    ("quantize_value", "ValueError", ["quantize must be None, 'fp8', 'fp8-ue8m0' or 'mxfp4', got 'int8'"]),
+    ("block_size", "ValueError", ["the ranks disagree on block_size: ranks 0-2 passed [128, 128], rank 3 passed "
+                                  "[64, 64]"]),
+    ("mxfp4_dense", "ValueError", ["quantize='mxfp4' writes gpt-oss's MXFP4 experts", "FSDPLlamaForCausalLM has none"]),
 ])
 def test_bad_or_disagreeing_arguments_are_named_on_every_rank(world, llama, case, kind, needles) -> None:
     results = world(4).run(_bad, str(llama), case, timeout=120)
@@ -536,6 +665,56 @@ def test_merged_refuses_what_is_not_plain_lora_naming_the_layer(llama, config, n
     assert needle in str(info.value) and "adapters='only'" in str(info.value)
     assert sorted(dict(weight_source(model, adapters="only").iter_full())) == sorted(
         peft.utils.get_peft_model_state_dict(model))
+
+
+def test_quantize_refuses_adapters_and_bad_choices_before_anything_moves(llama) -> None:
+    """One process: ``quantize`` with PEFT adapters, a ``quantize_if`` that is not callable, or
+    one that chooses a tensor FP8 cannot take are refused naming what is wrong."""
+    peft = pytest.importorskip("peft")
+    from fsdptk.hf import weight_source
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama)
+    with pytest.raises(TypeError, match="quantize_if must be a callable"):
+        weight_source(base, quantize="fp8", quantize_if="q_proj")
+    with pytest.raises(ValueError, match="quantize_if chose 'model.norm.weight' for fp8, but it has shape"):
+        weight_source(base, quantize="fp8", quantize_if=lambda name, t: name == "model.norm.weight")
+    only_q = weight_source(base, quantize="fp8", quantize_if=lambda name, t: name.endswith("q_proj.weight"))
+    assert [m.name for m in only_q.metadata if m.dtype == torch.float8_e4m3fn] == [
+        "model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"]
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    for adapters in ("merged", "only"):
+        with pytest.raises(ValueError, match=f"quantizing adapters, alone or merged, is not supported: got "
+                                             f"adapters='{adapters}'"):
+            weight_source(model, adapters=adapters, quantize="fp8")
+
+
+def test_quantized_source_is_what_vllm_takes(llama) -> None:
+    """Where vLLM imports: the quantized source is vLLM's ``WeightSource`` of its ``ParamMeta`` (float8
+    weights, float32 scales), ``Fp8Config.from_config`` reads its ``quantization_config`` (the block,
+    the head skipped, the layers' projections quantized), and its bytes equal vLLM's own
+    ``per_block_cast_to_fp8`` of the weight."""
+    pytest.importorskip("vllm")
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    from fsdptk.hf import weight_source
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama)
+    source = weight_source(model, quantize="fp8-ue8m0", block_size=(32, 32))
+    assert isinstance(source, WeightSource) and all(isinstance(m, ParamMeta) for m in source.metadata)
+    meta = {m.name: m for m in source.metadata}
+    q_name = "model.layers.0.self_attn.q_proj"
+    assert meta[f"{q_name}.weight"].dtype == torch.float8_e4m3fn
+    assert meta[f"{q_name}.weight_scale_inv"].dtype == torch.float32
+    parsed = Fp8Config.from_config(source.quantization_config)
+    assert parsed.weight_block_size == [32, 32]
+    assert is_layer_skipped("lm_head", parsed.ignored_layers) and not is_layer_skipped(q_name, parsed.ignored_layers)
+    full = dict(source.iter_full())
+    q, scale = per_block_cast_to_fp8(model.get_parameter(f"{q_name}.weight").detach(), [32, 32], use_ue8m0=True)
+    assert torch.equal(full[f"{q_name}.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(full[f"{q_name}.weight_scale_inv"], scale)
 
 
 def test_metadata_records_validate_like_vllm() -> None:

@@ -50,13 +50,16 @@ class Layout:
 
 
 def check(model: Any, conversion: Any, dtype: Any, owners: Any, bucket_bytes: Any, adapters: Any,
-          quantize: Any, world: int) -> int:
+          quantize: Any, block_size: Any, quantize_if: Any, world: int) -> int:
     """Every argument checked on this rank (no communication); ``bucket_bytes`` resolved."""
+    from fsdptk._plans.quant_save import quant_format
+
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if quantize is not None:
-        raise ValueError("quantize must be None (quantizing on the way out is not supported yet), "
-                         f"got {quantize!r}")
+    quant_format(quantize, block_size, quantize_if)  # save_safetensors' own checks and messages
+    if quantize is not None and adapters is not None:
+        raise ValueError(f"quantize={quantize!r} quantizes a model's own Hub tensors (adapters=None); "
+                         f"quantizing adapters, alone or merged, is not supported: got adapters={adapters!r}")
     if conversion not in ("auto", None):
         raise TypeError(f"conversion must be 'auto' or None, got {conversion!r}")
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -137,7 +140,8 @@ class _Dtype(NamedTuple):
 def _grids(plan: Plan, views: list[SourceView]) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """Hub name -> (mesh shape, sharded dim per axis) for the Hub tensors every rank already holds
     a piece of as a ``torch.chunk`` split in rank order (each covered by one unquantized item whose
-    mesh spans the ranks in order, through renames, stacks, concatenations and transpositions)."""
+    mesh spans the ranks in order, through renames, stacks, concatenations and transpositions;
+    never a quantized weight or its scales)."""
     covering: dict[str, list[int]] = {}
     for i, k in enumerate(plan.keys):
         for name in plan.item_hub[k]:
@@ -147,8 +151,8 @@ def _grids(plan: Plan, views: list[SourceView]) -> dict[str, tuple[tuple[int, ..
     for name, found in covering.items():
         i = found[0]
         key = plan.keys[i]
-        if len(found) != 1 or key in plan.merges or not all(v.plain[i] for v in views):
-            continue
+        if len(found) != 1 or key in plan.merges or name in plan.written or not all(v.plain[i] for v in views):
+            continue  # quantized weights and scales: made on the owner from the whole tensor
         mesh = views[0].meshes[i] if all(v.meshes[i] == views[0].meshes[i] for v in views) else None
         node: Node | None = plan.nodes.get(plan.conv_key[key]) if plan.nodes is not None else None
         if node is not None and not splittable(node):

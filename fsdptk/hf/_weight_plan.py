@@ -1,8 +1,8 @@
 """What a weight source moves, planned from the model alone (no communication): the items the save
 path gathers (:func:`fsdptk._files.save.save_items`, tied tensors once), their conversion to the Hub
-layout (:func:`fsdptk.conversions.save_layout`, transformers' rules run backwards, as
-``save_safetensors`` writes), and for PEFT models the adapter tensors alone or the LoRA factors to
-merge into their base weights.
+layout (:func:`fsdptk.conversions.quantized_layout`, transformers' rules run backwards, as
+``save_safetensors`` writes, quantized as its ``quantize=`` does), and for PEFT models the adapter
+tensors alone or the LoRA factors to merge into their base weights.
 """
 
 from __future__ import annotations
@@ -36,25 +36,36 @@ class Plan:
     order: dict[str, int]  # Hub name -> its index in ``hub``
     merges: dict[str, tuple[str, str, float]]  # base weight key -> (lora_A key, lora_B key, scaling)
     lora: frozenset[str]  # LoRA factor keys (merged into their base, never yielded themselves)
+    written: dict[str, torch.dtype]  # Hub name -> its own dtype, never cast (quantized weights, scales)
+    quantization_config: dict[str, Any] | None  # the release's config.json entry (None: unquantized)
 
 
-def plan_items(model: nn.Module, *, conversion: Any, dtype: torch.dtype | None, adapters: str | None
+def plan_items(model: nn.Module, *, conversion: Any, dtype: torch.dtype | None, adapters: str | None,
+               quantize: str | None = None, block_size: Any = (128, 128), quantize_if: Any = None
                ) -> tuple[Plan, Items]:
-    """The plan and the model's items to gather, for ``adapters`` ``None``, ``"only"`` or ``"merged"``.
+    """The plan and the model's items to gather, for ``adapters`` ``None``, ``"only"`` or ``"merged"``;
+    with ``quantize`` (``adapters=None`` only, checked by the caller) the Hub layout of
+    ``save_safetensors(quantize=quantize, block_size=block_size, quantize_if=quantize_if)``.
 
     Raises:
-        TypeError: ``adapters`` given for a model without a PEFT adapter.
+        TypeError: ``adapters`` given for a model without a PEFT adapter; ``quantize_if`` returned
+            something other than a bool.
+        ValueError: ``quantize_if`` chose a tensor the format cannot take; nothing to quantize.
         NotImplementedError: ``adapters="merged"`` on anything but plain LoRA on linear layers.
         ConversionError: transformers' save layout does not convert back (as ``save_safetensors``).
     """
     from fsdptk._files.save import save_items
 
     merges: dict[str, tuple[str, str, float]] = {}
+    written: dict[str, torch.dtype] = {}
+    quantization_config: dict[str, Any] | None = None
     if adapters is None:
-        from fsdptk.conversions import save_layout
+        from fsdptk.conversions import quantized_layout
 
         items, _, dtypes = save_items(model, "omit", None, dtype)
-        nodes = save_layout(model, conversion)
+        layout = quantized_layout(model, conversion, quantize=quantize, block_size=block_size,
+                                  quantize_if=quantize_if, dtype=dtype)
+        nodes, written, quantization_config = layout.nodes, dict(layout.written), layout.quantization_config
         conv_key = {k: k for k, _ in items}
     elif adapters == "only":
         from fsdptk._plans import peft as _peft
@@ -82,7 +93,7 @@ def plan_items(model: nn.Module, *, conversion: Any, dtype: torch.dtype | None, 
             names_here = [(ck, tuple(t.shape))]
         item_hub[key] = list(dict.fromkeys(n for n, _ in names_here))
         for name, shape in names_here:
-            pieces[name] = (dtypes[key], pieces[name][1] if name in pieces else shape, i)
+            pieces[name] = (written.get(name, dtypes[key]), pieces[name][1] if name in pieces else shape, i)
     for key in lora:
         item_hub[key] = item_hub[base_of[key]]
     first = {name: j for j, name in enumerate(pieces)}
@@ -91,7 +102,7 @@ def plan_items(model: nn.Module, *, conversion: Any, dtype: torch.dtype | None, 
     plan = Plan(keys=[k for k, _ in items], shapes=[tuple(t.shape) for _, t in items],
                 model_dtypes={k: t.dtype for k, t in items}, dtypes=dtypes, conv_key=conv_key, nodes=nodes,
                 item_hub=item_hub, hub=hub, order={n: j for j, n in enumerate(hub_order)}, merges=merges,
-                lora=lora)
+                lora=lora, written=written, quantization_config=quantization_config)
     return plan, items
 
 

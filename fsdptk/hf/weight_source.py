@@ -15,7 +15,7 @@ communication.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from functools import cached_property
 from typing import Any, Literal, cast
 
@@ -67,6 +67,14 @@ class HubWeightSource:
             out.append(types.meta(name, dtype, shape, owners=layout.owners[name], mesh_shape=mesh_shape,
                                   placements=placements))
         return out
+
+    @property
+    def quantization_config(self) -> dict[str, Any] | None:
+        """The ``quantization_config`` of the release the source streams (what
+        ``save_safetensors(quantize=...)`` writes into ``config.json``, and what an engine builds its
+        ``Fp8Config`` / ``Mxfp4Config`` from); ``None`` when unquantized. A fresh copy each time."""
+        config = self._plan.quantization_config
+        return None if config is None else {k: list(v) if isinstance(v, list) else v for k, v in config.items()}
 
     def owned_names(self, rank: int) -> list[str]:
         """The Hub names ``rank`` yields (in both modes), in metadata order: those whose record lists
@@ -203,7 +211,9 @@ class HubWeightSource:
 
 class _ToHub:
     """A gathered bucket of model tensors -> its Hub tensors, cast, in metadata order (LoRA factors
-    held until their base weight arrives, then merged into it)."""
+    held until their base weight arrives, then merged into it). Quantized: each model tensor is cast
+    to its dtype first and quantized from that, as a quantized save does; the weights and scales it
+    makes (``plan.written``) keep their own dtypes."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
@@ -221,9 +231,13 @@ class _ToHub:
                 a, b, scaling = plan.merges[key]
                 full = full + _delta(self.factors.pop(a), self.factors.pop(b), scaling, full.dtype)
             ck = plan.conv_key[key]
-            pieces = self.split.feed(ck, full) if self.split is not None else [(ck, full)]
+            if self.split is None:
+                pieces = [(ck, full)]
+            else:
+                pieces = self.split.feed(ck, full.to(plan.dtypes[key]) if plan.written else full)
             for name, piece in pieces:
-                out.append((plan.order[name], name, piece.to(plan.dtypes[key]).contiguous()))
+                piece = piece if name in plan.written else piece.to(plan.dtypes[key])
+                out.append((plan.order[name], name, piece.contiguous()))
             del full
         return [(n, t) for _, n, t in sorted(out, key=lambda x: x[0])]
 
@@ -272,14 +286,18 @@ def weight_source(
     owners: Owners = 1,
     bucket_bytes: int | None = None,
     adapters: Literal["merged", "only"] | None = None,
-    quantize: None = None,
+    quantize: Literal["fp8", "fp8-ue8m0", "mxfp4"] | None = None,
+    block_size: tuple[int, int] = (128, 128),
+    quantize_if: Callable[[str, torch.Tensor], bool] | None = None,
 ) -> HubWeightSource:
     """The model's weights as vLLM 0.33's ``WeightSource``, in the Hub checkpoint's names and shapes.
 
     Call on every rank (collective: one object exchange agrees the arguments and who holds what,
     before any tensor moves). The names, shapes and values are what
-    ``save_safetensors(model, path, conversion=conversion, dtype=dtype)`` writes: per-expert tensors
-    for transformers' fused experts, a tied tensor once, NF4 weights dequantized. The source has:
+    ``save_safetensors(model, path, conversion=conversion, dtype=dtype, quantize=quantize,
+    block_size=block_size, quantize_if=quantize_if)`` writes: per-expert tensors for transformers'
+    fused experts, a tied tensor once, NF4 weights dequantized, an FP8 or MXFP4 release's weights and
+    scales when quantized. The source has:
 
     - ``metadata`` (a cached property): one ``ParamMeta(name, dtype, shape, *, owners, mesh_shape,
       placements)`` per Hub tensor, in iteration order, the same on every rank. ``owners`` are the
@@ -299,6 +317,9 @@ def weight_source(
       ``iter_full`` (with one owner per name it is ``iter_full``).
     - ``iter_buckets()``: ``iter_full`` as lists of ``(name, tensor)`` up to ``bucket_bytes`` (a
       larger tensor alone) on the owners, ``[]`` elsewhere (engines that take flattened buckets).
+    - ``quantization_config``: the ``quantization_config`` a quantized save writes into
+      ``config.json`` (what an engine builds its ``Fp8Config`` / ``Mxfp4Config`` from); ``None``
+      unquantized.
 
     Every iterator is collective: every rank drives it to its end, each pass reads the current
     weights, and an owner may consume lazily (send on another process group, sleep) while the
@@ -326,18 +347,34 @@ def weight_source(
             ``"only"``: the active adapter's tensors under PEFT's names
             (``get_peft_model_state_dict``), the base weights never moved. ``None``: the model's
             tensors as they are.
-        quantize: quantizing on the way out belongs to another issue: only ``None`` is accepted.
+        quantize: stream a quantized release, exactly what ``save_safetensors(quantize=...)`` writes
+            (bit for bit, the same tensors chosen): ``"fp8"`` (e4m3 weights, a float32
+            ``<w>_scale_inv`` per ``block_size`` block, the grid rounded up), ``"fp8-ue8m0"`` (scales
+            rounded up to powers of two, ``scale_fmt: "ue8m0"``), ``"mxfp4"`` (gpt-oss's experts as
+            uint8 ``<w>_blocks`` / ``<w>_scales``). By default the linear weights of the decoder
+            layers are quantized (embeddings, the head, norms, biases and routers keep ``dtype``).
+            Each weight is quantized on its owner from the gathered tensor cast to ``dtype``, one
+            bucket at a time; the quantized weights and their scales are yielded whole by their
+            owner (never as ``iter_local`` pieces). Not with ``adapters``. ``None`` (default):
+            unquantized.
+        block_size: FP8's ``(rows, columns)`` per scale (default ``(128, 128)``; MXFP4's groups of
+            32 are fixed).
+        quantize_if: ``(Hub name, tensor) -> bool`` choosing the tensors to quantize instead of the
+            default rule (the tensor is on ``meta``, of the Hub shape and dtype).
 
     Returns:
         HubWeightSource: the source (a subclass of vLLM's ``WeightSource`` when vLLM is importable).
 
     Raises:
         TypeError: ``model`` is not a module, ``dtype`` is not a floating dtype, ``owners`` is not an
-            int, ``"host"`` or ``"all"``, ``conversion`` is not ``"auto"`` or ``None``; on every rank.
+            int, ``"host"`` or ``"all"``, ``conversion`` is not ``"auto"`` or ``None``,
+            ``quantize_if`` is not callable or returns something other than a bool; on every rank.
         ValueError: ``owners`` out of ``[1, world size]``, ``bucket_bytes`` not a positive int,
-            ``adapters`` or ``quantize`` not accepted, a tensor still on ``meta``, ranks that passed
-            different arguments (each differing argument named with every rank's value); on every
-            rank, before any tensor moves.
+            ``adapters`` not accepted, ``quantize`` not one of the formats (or with ``adapters``),
+            ``block_size`` not two positive ints, ``quantize_if`` choosing a tensor the format
+            cannot take, nothing to quantize (``"mxfp4"`` of a model without gpt-oss experts), a
+            tensor still on ``meta``, ranks that passed different arguments (each differing
+            argument named with every rank's value); on every rank, before any tensor moves.
         NotImplementedError: ``adapters="merged"`` on a tuner other than plain LoRA on linear
             layers (DoRA, ``fan_in_fan_out``, LoRA biases, several active adapters), naming it.
 
@@ -351,13 +388,21 @@ def weight_source(
         ([('weight', (3, 2)), ('bias', (3,))], ['weight', 'bias'])
         >>> [m.placements for m in weight_source(torch.nn.Linear(2, 3), owners="all").metadata]
         [None, None]
-        >>> weight_source(torch.nn.Linear(2, 3), quantize="fp8")
+        >>> layers = torch.nn.ModuleDict({"layers": torch.nn.ModuleList([torch.nn.Linear(64, 32)])})
+        >>> fp8 = weight_source(layers, quantize="fp8", block_size=(16, 16))  # an FP8 release
+        >>> [(m.name, m.dtype, m.shape) for m in fp8.metadata]  # doctest: +NORMALIZE_WHITESPACE
+        [('layers.0.weight', torch.float8_e4m3fn, (32, 64)),
+         ('layers.0.weight_scale_inv', torch.float32, (2, 4)), ('layers.0.bias', torch.float32, (32,))]
+        >>> fp8.quantization_config["weight_block_size"], [t.dtype for _, t in fp8.iter_full()]
+        ([16, 16], [torch.float8_e4m3fn, torch.float32, torch.float32])
+        >>> weight_source(layers, quantize="int8")
         Traceback (most recent call last):
-        ValueError: quantize must be None (quantizing on the way out is not supported yet), got 'fp8'
+        ValueError: quantize must be None, 'fp8', 'fp8-ue8m0' or 'mxfp4', got 'int8'
     """
     world, rank = _world()
     arguments = arguments_view("weight_source", conversion=conversion, dtype=dtype, owners=owners,
-                               bucket_bytes=bucket_bytes, adapters=adapters, quantize=quantize)
+                               bucket_bytes=bucket_bytes, adapters=adapters, quantize=quantize,
+                               block_size=block_size, quantize_if=quantize_if)
     error: BaseException | None = None
     plan: Plan | None = None
     boxes: list[Box | None] = []
@@ -365,8 +410,10 @@ def weight_source(
     meshes: list[tuple[int, ...] | None] = []
     nbytes = 0
     try:
-        nbytes = check(model, conversion, dtype, owners, bucket_bytes, adapters, quantize, world)
-        plan, items = plan_items(model, conversion=conversion, dtype=dtype, adapters=adapters)
+        nbytes = check(model, conversion, dtype, owners, bucket_bytes, adapters, quantize, block_size, quantize_if,
+                       world)
+        plan, items = plan_items(model, conversion=conversion, dtype=dtype, adapters=adapters, quantize=quantize,
+                                 block_size=block_size, quantize_if=quantize_if)
         boxes, plain, meshes = held(items, world)
     except Exception as e:  # noqa: BLE001 - raised on every rank after the exchange
         error = e
