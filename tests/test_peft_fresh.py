@@ -8,6 +8,7 @@ on linear layers, FSDP at 2 ranks) and Qwen3-MoE (LoRA on attention and on the f
 
 - every rank's full adapters (``full_tensor`` on every rank) equal PEFT's, bit for bit, though every
   rank seeded its own generator differently before the call, and its RNG state is left as it was;
+  rank 0 alone builds them, and one engine load from rank 0 moves exactly the adapter keys;
 - after one SGD step on each rank's own rows, every rank's full adapters are the same and equal
   PEFT's after one step on the whole batch (FSDP reduced the adapters' gradients), and the loss of
   the whole batch is PEFT's;
@@ -80,6 +81,32 @@ def _mesh(dims):
     return pd
 
 
+def _record_init():
+    """Record, on this rank, how often the adapters are built and which loads move them."""
+    import fsdptk._engine as engine
+    import fsdptk._plans.peft_fresh as fresh
+
+    built: list[int] = []
+    loads: list[dict] = []
+    build, distribute = fresh.fresh_adapter_state, engine.distribute
+
+    def counting_build(*args, **kwargs):
+        out = build(*args, **kwargs)
+        built.append(len(out))
+        return out
+
+    def recording_distribute(plan, *args, **kwargs):
+        loads.append({"keys": list(plan.keys), "src_rank0": plan.src_rank0})
+        return distribute(plan, *args, **kwargs)
+
+    fresh.fresh_adapter_state, engine.distribute = counting_build, recording_distribute
+
+    def restore():
+        fresh.fresh_adapter_state, engine.distribute = build, distribute
+
+    return built, loads, restore
+
+
 def _fresh(family: str, src: str, dims) -> dict:
     """On every rank: PEFT before sharding, base load, init_adapters, one SGD step on own rows."""
     import torch.distributed as dist
@@ -96,7 +123,11 @@ def _fresh(family: str, src: str, dims) -> dict:
     on_meta = sorted(n for n, p in model.named_parameters() if p.is_meta)
     torch.manual_seed(1000 + rank)  # every rank a different generator: no difference
     state = torch.random.get_rng_state()
-    keys = init_adapters(model, seed=_SEED)
+    built, loads, restore = _record_init()
+    try:
+        keys = init_adapters(model, seed=_SEED)
+    finally:
+        restore()
     rng_kept = torch.equal(state, torch.random.get_rng_state())
     validate_no_params_on_meta_device(model)
     attached = _full_adapters(model)
@@ -109,6 +140,7 @@ def _fresh(family: str, src: str, dims) -> dict:
     with torch.no_grad():
         whole = model(input_ids=batch, labels=batch).loss.item()
     return {"on_meta_before": on_meta, "keys": keys, "rng_kept": rng_kept, "attached": attached,
+            "built": built, "loads": loads,
             "stepped": _full_adapters(model), "trainable": trainable, "whole_loss": whole}
 
 
@@ -146,6 +178,10 @@ def test_fresh_adapters_are_peft_init_on_every_rank_before_and_after_a_step(worl
         assert r["on_meta_before"] and all("lora_" in k for k in r["on_meta_before"]), (
             rank, "the adapters are on meta after the base load until init_adapters")
         assert r["rng_kept"], rank
+        # rank 0 alone builds the adapters; one load from rank 0 moves exactly the adapter keys
+        assert r["built"] == ([len(judge["attached"])] if rank == 0 else []), (rank, r["built"])
+        assert len(r["loads"]) == 1 and r["loads"][0]["src_rank0"], (rank, r["loads"])
+        assert sorted(r["loads"][0]["keys"]) == sorted(judge["attached"]), rank
         assert r["trainable"] == judge["trainable"], rank
         assert sorted(r["keys"]) == sorted(judge["attached"]), rank
         assert sorted(r["attached"]) == sorted(judge["attached"])
