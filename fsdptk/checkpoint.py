@@ -76,8 +76,10 @@ def _open_agreed(path: Path, shard_on_read: bool | None, arguments: ArgumentsVie
     every rank, naming them), a bad ``shard_on_read``, and whether it could open the files.
     ``None`` (auto) means shard-on-read when every rank can open the files (headers checked), else
     rank-0-read when rank 0 can; an error is raised on every rank only when rank 0 cannot read it
-    or an explicit ``shard_on_read=True`` rank cannot.
+    or an explicit ``shard_on_read=True`` rank cannot. Waits first for a background save to
+    ``path`` still in flight in this process.
     """
+    wait_for_pending(path)
     rank0 = is_rank0()
     ckpt, error, bad = None, None, None
     if shard_on_read is not None and not isinstance(shard_on_read, bool):
@@ -200,7 +202,6 @@ def load_safetensors(
     from fsdptk.state_dict import FileView, load_state
 
     path = Path(path)
-    wait_for_pending(path)
     arguments = arguments_view("load_safetensors", shard_on_read=shard_on_read, conversion=conversion,
                                rename=rename, strict=strict, bucket_bytes=bucket_bytes)
     ckpt, shard_on_read = _open_agreed(path, shard_on_read, arguments)

@@ -24,8 +24,11 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from fsdptk._engine.sources import RenamedSource, aliased, as_source
+from fsdptk._engine.sources.convert import ConvertedSource, Leaf
 from fsdptk._files.common import Rename, rename_keys
 from fsdptk._plans import peft as _peft
+from fsdptk.conversions import resolve_load
+from fsdptk.errors import ConversionError
 
 __all__ = ["LoadView", "compose"]
 
@@ -69,16 +72,14 @@ def _file_view(model: nn.Module, mapping: Mapping[str, Any], rename: Rename, con
                on_read: Callable[[int], None] | None) -> tuple[Mapping[str, Any], int]:
     """The file under the (base) model's keys: through ``rename`` when given, else through
     ``conversion`` when it converts anything, else as it is; and the bytes a full read takes."""
-    from fsdptk._engine.sources.convert import ConvertedSource, Leaf
-    from fsdptk.conversions import resolve_load
-    from fsdptk.errors import ConversionError
-
     nbytes = getattr(mapping, "nbytes", None)
     if rename is not None or conversion is None or not mapping:
-        names = rename_keys(list(mapping), rename, what="checkpoint key")
+        names: dict[str, str] = {}
+        # the view reports model keys: each counts its file key's bytes once
+        count = None if nbytes is None else _counting(lambda key: nbytes(names[key]), on_read)
+        names.update(rename_keys(list(mapping), rename, what="checkpoint key"))
         if nbytes is None:
             return (RenamedSource(mapping, names) if rename is not None else mapping), 0
-        count = _counting(lambda key: nbytes(names[key]), on_read)  # the view reports model keys
         return RenamedSource(mapping, names, on_read=count), sum(nbytes(k) for k in names.values())
     source = as_source(mapping)
     base, shapes = _base_model_and_shapes(model)
