@@ -90,12 +90,15 @@ def _load_and_save(src: str, out: str) -> dict:
 
 def _tp_load_train_save(src: str, out: str) -> dict:
     from fsdptk import ParallelDims, save_safetensors
-    from fsdptk.hf import from_pretrained
+    from fsdptk.hf import from_pretrained, hf_meta_model, hf_tp_plan
 
     dims = ParallelDims(dp_shard=2, tp=2)
     model = from_pretrained(src, dims=dims)
     tp = {n: tuple(repr(p) for p in t.placements) for n, t in model.named_parameters()
           if "tp" in (t.device_mesh.mesh_dim_names or ())}  # (dp_shard, tp) placements
+    meta = hf_meta_model(model.config)  # the release's own plan, read on an untouched build
+    planned = sorted(f"{m}.{n}" for m in hf_tp_plan(meta) for n, _ in meta.get_submodule(m).named_parameters(recurse=False)
+                     if f"{m}.{n}" in dict(meta.named_parameters()))
     experts = model.model.layers[1].mlp.experts.gate_up_proj
     batch = _batch()
     loaded = _logits(model, batch)
@@ -103,7 +106,7 @@ def _tp_load_train_save(src: str, out: str) -> dict:
     loss = sgd_step(model, batch, dims.dp_degree, dims.dp_rank)
     trained = _logits(model, batch)
     save_safetensors(model, f"{out}/trained")
-    return {"loaded": loaded, "loss": loss, "trained": trained, "tp": tp,
+    return {"loaded": loaded, "loss": loss, "trained": trained, "tp": tp, "planned": planned,
             "experts": (experts.device_mesh.mesh_dim_names, tuple(repr(p) for p in experts.placements))}
 
 
@@ -132,14 +135,16 @@ def test_hub_layout_loads_at_two_ranks_and_saves_back_bit_for_bit(world, tmp_pat
 
 def test_gpt_oss_under_fsdp_and_tp_with_its_own_plan(world, tmp_path_factory, tmp_path):
     """gpt-oss at 4 ranks, ``dims=ParallelDims(dp_shard=2, tp=2)``: transformers' plan for it
-    (this release: ``lm_head`` colwise, output gathered; the experts and attention stay whole on
-    the TP ranks and FSDP shards them) gives the single-process logits, step loss and trained
-    logits, and the save writes the checkpoint's own tensors."""
+    (transformers 5.23: ``lm_head`` colwise, output gathered; 5.24 adds the vocab-parallel
+    embedding; the experts and attention stay whole on the TP ranks and FSDP shards them) gives the
+    single-process logits, step loss and trained logits, and the save writes the checkpoint's own
+    tensors. Exactly the parameters the installed release's plan names are tensor-parallel."""
     ref = build_reference(tmp_path_factory, "gpt_oss")
     results = world(4).run(_tp_load_train_save, str(ref["src"]), str(tmp_path), timeout=120)
     for r in results:
         assert_like_the_reference(r, ref)
-        assert list(r["tp"]) == ["lm_head.weight"] and r["tp"]["lm_head.weight"][1] == "Shard(dim=0)", r["tp"]
+        assert sorted(r["tp"]) == r["planned"] and "lm_head.weight" in r["tp"], (r["tp"], r["planned"])
+        assert all(p[1].startswith("Shard(") for p in r["tp"].values()), r["tp"]
         assert r["experts"] == (("dp_shard",), ("Shard(dim=0)",)), r["experts"]
     hub, saved = _files(ref["src"]), _files(tmp_path / "as-loaded")
     assert sorted(saved) == sorted(hub)
