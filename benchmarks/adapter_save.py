@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import socket
 import statistics
@@ -43,6 +42,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .measure import reset_peak, status_bytes
 
 __all__ = ["METHODS", "main"]
 
@@ -64,17 +65,6 @@ def _lora(args: argparse.Namespace) -> Any:
 
     return peft.LoraConfig(r=args.r, lora_alpha=2 * args.r, target_modules=_TARGETS,
                            init_lora_weights=False)
-
-
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
-    return int(m.group(1)) * 1024 if m else -1
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
 
 
 def prepare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -121,8 +111,8 @@ def _worker(rank: int, world: int, port: int, method: str, args: argparse.Namesp
 
     gc.collect()
     dist.barrier()
-    rss_before = _kib("VmRSS")
-    _reset_peak()
+    rss_before = status_bytes("VmRSS")
+    reset_peak()
     t0 = time.perf_counter()
     if method == "fsdptk.save_adapter":
         save_adapter(model, out)
@@ -137,7 +127,7 @@ def _worker(rank: int, world: int, port: int, method: str, args: argparse.Namesp
         del state_dict
     dist.barrier()
     elapsed = time.perf_counter() - t0
-    peak = _kib("VmHWM")
+    peak = status_bytes("VmHWM")
     t = torch.tensor([elapsed], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     if rank == 0:

@@ -15,6 +15,7 @@ All from the OS, so they count every allocation and every byte whatever library 
 from __future__ import annotations
 
 import os
+import re
 import resource
 import time
 from dataclasses import dataclass
@@ -74,3 +75,17 @@ def snapshot() -> Snapshot:
     """Read everything now."""
     return Snapshot(time.perf_counter(), peak_rss_bytes(), current_rss_bytes(), bytes_written(),
                     file_bytes_written())
+
+
+def status_bytes(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in bytes; -1 if absent."""
+    with open("/proc/self/status") as f:
+        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+    return int(m.group(1)) * 1024 if m else -1
+
+
+def reset_peak() -> None:
+    """Reset this process's peak RSS (``VmHWM``) to its current RSS (Linux >= 4.0), so a later
+    ``status_bytes("VmHWM")`` is the peak of what ran since."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")

@@ -48,7 +48,6 @@ import gc
 import json
 import os
 import platform
-import re
 import shutil
 import statistics
 import sys
@@ -60,7 +59,7 @@ from typing import Any
 
 import torch
 
-from .measure import current_rss_bytes, file_bytes_written
+from .measure import current_rss_bytes, file_bytes_written, reset_peak, status_bytes
 
 __all__ = ["METHODS", "LABELS", "main", "render"]
 
@@ -161,17 +160,6 @@ def _settle(out: Path) -> None:
     dist.barrier()
 
 
-def _vm_hwm() -> int:
-    with open("/proc/self/status") as f:
-        m = re.search(r"^VmHWM:\s+(\d+) kB", f.read(), re.M)
-    return int(m.group(1)) * 1024 if m else -1
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := the current RSS (Linux >= 4.0)
-
-
 def _file_summary(directory: Path) -> dict[str, Any]:
     """Bytes of the safetensors files, and their tensors by dtype (header only)."""
     import struct
@@ -212,12 +200,12 @@ def _measured(spec: dict[str, Any]) -> dict[str, Any]:
     _settle(out)
     if spec.get("record_modules"):
         modules = sorted(sys.modules)
-    _reset_peak()
+    reset_peak()
     rss0, wb0 = current_rss_bytes(), file_bytes_written()
     t0 = time.perf_counter()
     _run_method(method, model, out, writers, held)
     own = time.perf_counter() - t0
-    wb1, peak = file_bytes_written(), _vm_hwm()
+    wb1, peak = file_bytes_written(), status_bytes("VmHWM")
     dist.barrier()
     wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)

@@ -47,7 +47,6 @@ import importlib.util
 import json
 import os
 import platform
-import re
 import socket
 import struct
 import sys
@@ -58,6 +57,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .measure import reset_peak, status_bytes
 
 __all__ = ["METHODS", "main", "build_model", "render"]
 
@@ -124,17 +125,6 @@ def build_model(config: Any, tp: int) -> Any:
 
 # ----------------------------------------------------------------------------------------------
 # what each rank measures about itself
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
-    return int(m.group(1)) * 1024 if m else -1
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := the current RSS (Linux >= 4.0)
-
-
 def _tcp_received() -> dict[str, int]:
     """Bytes received so far on each TCP socket of this process (``tcpi_bytes_received`` of
     ``TCP_INFO``, Linux >= 4.1), by socket inode."""
@@ -173,13 +163,13 @@ def _measure(fn: Any) -> dict[str, float]:
 
     gc.collect()
     dist.barrier()
-    _reset_peak()
-    rss, tcp = _status_kib("VmRSS"), _tcp_received()
+    reset_peak()
+    rss, tcp = status_bytes("VmRSS"), _tcp_received()
     t0 = time.perf_counter()
     yielded = fn()
     dist.barrier()
     wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    peak, received = _status_kib("VmHWM"), _received_since(tcp)
+    peak, received = status_bytes("VmHWM"), _received_since(tcp)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
     return {"seconds": float(wall), "peak_above": peak - rss, "received": received, "yielded": yielded}
 
