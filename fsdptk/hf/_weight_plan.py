@@ -16,9 +16,51 @@ from torch import nn
 from fsdptk._engine.layouts import box_shape, full_box
 from fsdptk._engine.sources.convert import Node
 
-__all__ = ["Items", "Plan", "plan_items"]
+__all__ = ["Items", "Merge", "Plan", "plan_items"]
 
 Items = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Merge:
+    """One LoRA layer of the active adapter, merged into its base weight as PEFT's ``merge_and_unload``
+    does (``W += get_delta_weight()``), in PEFT's own op order and dtypes, so the merged tensor is
+    PEFT's bit for bit.
+
+    ``lora.Linear`` (``wrapper=False``): the delta is ``(B @ A) * scaling`` in B's dtype (computed in
+    float32 for half-precision factors, as PEFT does on CPU), added in place (the sum in the
+    promoted dtype, stored in W's). PEFT's ``ParamWrapper`` (``wrapper=True``, ``target_parameters``):
+    with ``experts == 1`` (a 2-D parameter) the same product; on fused experts (``E = experts > 1``)
+    A is ``(r * E, in)`` (expert ``e``'s block: rows ``e * r`` to ``e * r + r - 1``) and B
+    ``(out, r * E)`` (expert ``e``'s block: columns ``e, E + e, 2E + e, ...``, PEFT's
+    ``reshape(out, r, E)``), and the delta is PEFT's ``einsum`` of them in the factors' dtype times
+    ``scaling``: ``(E, out, in)`` when ``swapped`` (transformers' experts stored ``(E, out, in)``),
+    else ``(E, in, out)``. A wrapper's delta is cast to W's dtype before the addition."""
+
+    a: str  # lora_A key
+    b: str  # lora_B key
+    scaling: float
+    wrapper: bool = False  # a ParamWrapper (LoRA on a parameter), not lora.Linear
+    experts: int = 1  # the wrapper's num_experts
+    swapped: bool = False  # the wrapped parameter is (E, out, in)
+
+    def merged(self, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``weight`` with this layer's delta from the full factors ``a`` and ``b`` added (a new
+        tensor of ``weight``'s dtype and shape)."""
+        if self.experts == 1:
+            dtype = b.dtype
+            if dtype in (torch.float16, torch.bfloat16):
+                delta = ((b.float() @ a.float()) * self.scaling).to(dtype)
+            else:
+                delta = (b @ a) * self.scaling
+        else:
+            a3 = a.reshape(self.experts, -1, a.shape[-1])  # (E, r, in)
+            b3 = b.reshape(b.shape[0], -1, self.experts)  # (out, r, E)
+            spec = "o r e, e r i -> e o i" if self.swapped else "o r e, e r i -> e i o"
+            delta = torch.einsum(spec, b3, a3) * self.scaling
+        if self.wrapper:
+            delta = delta.to(weight.dtype)
+        return (weight + delta).to(weight.dtype)
 
 
 @dataclass(frozen=True)
@@ -34,7 +76,7 @@ class Plan:
     item_hub: dict[str, list[str]]  # model key -> the Hub tensors it makes (a LoRA factor: its base's)
     hub: list[tuple[str, torch.dtype, tuple[int, ...]]]  # every Hub tensor, in iteration order
     order: dict[str, int]  # Hub name -> its index in ``hub``
-    merges: dict[str, tuple[str, str, float]]  # base weight key -> (lora_A key, lora_B key, scaling)
+    merges: dict[str, Merge]  # base weight key -> the LoRA layer merged into it
     lora: frozenset[str]  # LoRA factor keys (merged into their base, never yielded themselves)
     written: dict[str, torch.dtype]  # Hub name -> its own dtype, never cast (quantized weights, scales)
     quantization_config: dict[str, Any] | None  # the release's config.json entry (None: unquantized)
@@ -56,7 +98,7 @@ def plan_items(model: nn.Module, *, conversion: Any, dtype: torch.dtype | None, 
     """
     from fsdptk._files.save import save_items
 
-    merges: dict[str, tuple[str, str, float]] = {}
+    merges: dict[str, Merge] = {}
     written: dict[str, torch.dtype] = {}
     quantization_config: dict[str, Any] | None = None
     if adapters is None:
@@ -78,8 +120,8 @@ def plan_items(model: nn.Module, *, conversion: Any, dtype: torch.dtype | None, 
         nodes = None
     else:
         items, dtypes, conv_key, nodes, merges = _merged(model, conversion, dtype)
-    lora = frozenset(k for a, b, _ in merges.values() for k in (a, b))
-    base_of = {k: base for base, (a, b, _) in merges.items() for k in (a, b)}
+    lora = frozenset(k for m in merges.values() for k in (m.a, m.b))
+    base_of = {k: base for base, m in merges.items() for k in (m.a, m.b)}
     item_hub: dict[str, list[str]] = {}
     pieces: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}  # name -> dtype, shape, last item
     for i, (key, t) in enumerate(items):
@@ -127,7 +169,7 @@ def _active_adapter(model: nn.Module) -> str:
 
 def _merged(model: nn.Module, conversion: Any, dtype: torch.dtype | None
             ) -> tuple[Items, dict[str, torch.dtype], dict[str, str], dict[str, Node] | None,
-                       dict[str, tuple[str, str, float]]]:
+                       dict[str, Merge]]:
     """``adapters="merged"``: the base weights under the base names (LoRA factors placed just
     before the weight they merge into) and the conversion of the base model's Hub layout."""
     from fsdptk._files.save import save_items
@@ -146,7 +188,7 @@ def _merged(model: nn.Module, conversion: Any, dtype: torch.dtype | None
         if key not in base_key:
             continue
         if key in merges:
-            a, b, _ = merges[key]
+            a, b = merges[key].a, merges[key].b
             items += [(a, sd[a]), (b, sd[b])]
             dtypes[a], dtypes[b] = sd[a].dtype, sd[b].dtype
         items.append((key, t))
@@ -158,22 +200,30 @@ def _merged(model: nn.Module, conversion: Any, dtype: torch.dtype | None
     return items, dtypes, conv_key, nodes, merges
 
 
-def _lora_merges(model: nn.Module, adapter: str) -> dict[str, tuple[str, str, float]]:
-    """``{base weight key: (lora_A key, lora_B key, scaling)}`` of every LoRA layer of ``adapter``.
+def _lora_merges(model: nn.Module, adapter: str) -> dict[str, Merge]:
+    """``{base weight key: Merge}`` of every LoRA layer of ``adapter``: plain LoRA on linear layers
+    and PEFT's ``ParamWrapper`` (LoRA on a parameter, e.g. fused MoE experts; nested wrappers each
+    merge into their own parameter).
 
     Raises:
-        NotImplementedError: a tuner or layer that is not plain LoRA on a linear layer (named).
+        NotImplementedError: a tuner or layer that is neither (named, with the reason).
     """
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora.layer import ParamWrapper
 
     config = getattr(model, "peft_config", {}).get(adapter)
     kind = str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", None)))
     if kind != "LORA":
         raise NotImplementedError(f"adapters='merged' merges LoRA adapters; adapter {adapter!r} is {kind} "
                                   "(use adapters='only')")
-    out: dict[str, tuple[str, str, float]] = {}
+    out: dict[str, Merge] = {}
     for name, mod in model.named_modules():
         if not isinstance(mod, LoraLayer) or adapter not in getattr(mod, "lora_A", {}):
+            continue
+        factors = (f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight", float(mod.scaling[adapter]))
+        if isinstance(mod, ParamWrapper):
+            key, merge = _wrapper_merge(name, mod, factors)
+            out[key] = merge
             continue
         base = mod.get_base_layer()
         why = None
@@ -189,7 +239,32 @@ def _lora_merges(model: nn.Module, adapter: str) -> dict[str, tuple[str, str, fl
             why = f"adapters {mod.merged_adapters} are already merged into it"
         if why is not None:
             raise NotImplementedError(f"adapters='merged': LoRA layer {name!r}: {why}; fsdptk merges plain LoRA "
-                                      "on linear layers (use adapters='only' for this model)")
-        out[f"{name}.base_layer.weight"] = (f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight",
-                                            float(mod.scaling[adapter]))
+                                      "on linear layers and PEFT's ParamWrapper (target_parameters) "
+                                      "(use adapters='only' for this model)")
+        out[f"{name}.base_layer.weight"] = Merge(*factors)
     return out
+
+
+def _wrapper_merge(name: str, mod: Any, factors: tuple[str, str, float]) -> tuple[str, Merge]:
+    """The wrapped parameter's key (under every nested wrapper's ``base_layer``) and its
+    :class:`Merge`, read as PEFT 0.21's ``ParamWrapper.update_layer`` / ``get_delta_weight`` do.
+
+    Raises:
+        NotImplementedError: adapters already merged into it, or a parameter dtype PEFT merges
+            through its low-precision path (float8), named.
+    """
+    path, inner = name, mod
+    while hasattr(inner, "base_layer"):
+        path, inner = f"{path}.base_layer", inner.base_layer
+    param = getattr(inner, mod.parameter_name)
+    why = None
+    if getattr(mod, "merged_adapters", []):
+        why = f"adapters {mod.merged_adapters} are already merged into it"
+    elif param.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        why = f"its parameter {mod.parameter_name!r} is {param.dtype} (PEFT merges it in higher precision)"
+    if why is not None:
+        raise NotImplementedError(f"adapters='merged': PEFT ParamWrapper {name!r}: {why}; use adapters='only' "
+                                  "for this model")
+    swapped = param.dim() == 3 and not getattr(inner, "is_transposed", False)
+    return f"{path}.{mod.parameter_name}", Merge(*factors, wrapper=True, experts=int(mod.num_experts),
+                                                 swapped=swapped)

@@ -196,17 +196,24 @@ class HubWeightSource:
         buckets = cast(Generator[Bucket, None, None],
                        _engine.collect(items, bucket_bytes=self._bucket_bytes, dest=dests, failed=failed))
         hub = _ToHub(plan)
+        # no reference to a bucket is kept here once it is handed on, so the engine reuses its
+        # memory for a later bucket when the consumer has dropped it (fsdptk._engine.pool)
         for bucket in buckets:
             out: Bucket = []
             try:
                 out = [(n, t) for n, t in hub.feed(bucket) if names is None or n in names]
             except Exception as e:  # noqa: BLE001 - agreed by the engine
                 buckets.throw(e)
-            for part in _regroup(out, self._bucket_bytes) if out else [[]]:
+            del bucket
+            parts = _regroup(out, self._bucket_bytes) if out else [[]]
+            del out
+            while parts:
+                part = parts.pop(0)
                 try:
                     yield part
                 except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the engine
                     buckets.throw(e)
+                del part
 
 
 class _ToHub:
@@ -228,8 +235,8 @@ class _ToHub:
                 self.factors[key] = full
                 continue
             if key in plan.merges:
-                a, b, scaling = plan.merges[key]
-                full = full + _delta(self.factors.pop(a), self.factors.pop(b), scaling, full.dtype)
+                merge = plan.merges[key]
+                full = merge.merged(full, self.factors.pop(merge.a), self.factors.pop(merge.b))
             ck = plan.conv_key[key]
             if self.split is None:
                 pieces = [(ck, full)]
@@ -240,16 +247,6 @@ class _ToHub:
                 out.append((plan.order[name], name, piece.contiguous()))
             del full
         return [(n, t) for _, n, t in sorted(out, key=lambda x: x[0])]
-
-
-def _delta(a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype) -> torch.Tensor:
-    """PEFT's ``LoraLayer.get_delta_weight`` for a plain linear layer: ``(B @ A) * scaling``, in
-    float32 for half-precision factors on CPU, as PEFT computes it."""
-    upcast = b.dtype in (torch.float16, torch.bfloat16)
-    if upcast:
-        a, b = a.float(), b.float()
-    out = (b @ a) * scaling
-    return out.to(dtype) if upcast else out
 
 
 def _regroup(out: Bucket, limit: int) -> list[Bucket]:
@@ -267,13 +264,18 @@ def _regroup(out: Bucket, limit: int) -> list[Bucket]:
 
 
 def _flatten(buckets: Iterator[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The buckets' pairs one by one, holding none of them once handed on (see ``_stream``)."""
     gen = cast(Generator[Bucket, None, None], buckets)
     for bucket in gen:
-        for pair in bucket:
+        pairs = bucket[::-1]
+        del bucket
+        while pairs:
+            pair = pairs.pop()
             try:
                 yield pair
             except Exception as e:  # noqa: BLE001 - agreed by the engine
                 gen.throw(e)
+            del pair
 
 
 # ----------------------------------------------------------------------------------------------
@@ -342,8 +344,12 @@ def weight_source(
             ``"all"``: every rank owns every name (vLLM's M2N engine, which consumes ``iter_local``,
             and its IPC engine, where every rank sends every tensor).
         bucket_bytes: full-tensor bytes per bucket and owner (default: the engine's, 16 MiB).
-        adapters: for a PEFT model: ``"merged"``: the base weights with each plain LoRA adapter
-            merged in (``W + scaling * B @ A``, as ``merge_and_unload``) under the base names;
+        adapters: for a PEFT model: ``"merged"``: the base weights with each LoRA layer of the
+            active adapter merged in, as ``merge_and_unload`` merges it (PEFT's op order and dtypes,
+            so the tensors are its own bit for bit) under the base model's Hub names: plain LoRA on
+            linear layers (``W + scaling * B @ A``) and LoRA on fused MoE experts (PEFT's
+            ``ParamWrapper``, ``target_parameters``: each expert's ``W_e + scaling * B_e @ A_e``,
+            yielded as the per-expert Hub tensors);
             ``"only"``: the active adapter's tensors under PEFT's names
             (``get_peft_model_state_dict``), the base weights never moved. ``None``: the model's
             tensors as they are.
@@ -375,8 +381,10 @@ def weight_source(
             cannot take, nothing to quantize (``"mxfp4"`` of a model without gpt-oss experts), a
             tensor still on ``meta``, ranks that passed different arguments (each differing
             argument named with every rank's value); on every rank, before any tensor moves.
-        NotImplementedError: ``adapters="merged"`` on a tuner other than plain LoRA on linear
-            layers (DoRA, ``fan_in_fan_out``, LoRA biases, several active adapters), naming it.
+        NotImplementedError: ``adapters="merged"`` on what it does not merge, naming the layer and
+            why: a tuner other than LoRA, LoRA on a layer other than ``torch.nn.Linear`` and not a
+            ``ParamWrapper``, DoRA, ``fan_in_fan_out``, LoRA biases, an adapter already merged
+            into its layer, a wrapped parameter in float8, several active adapters.
 
     Examples:
         >>> import torch
