@@ -87,6 +87,15 @@ def apply_ep(
     module is validated before any changes. Collective: every rank calls it with the same
     arguments.
 
+    LoRA on the experts (PEFT >= 0.21's ``target_parameters``, a ``ParamWrapper`` around the experts
+    module): call it after ``peft.get_peft_model``, naming the experts module itself (what
+    :func:`fsdptk.hf.hf_ep_plan` returns). Each wrapper's LoRA factors are then sharded with the
+    experts, each rank holding its experts' blocks only: A ``(r * E, in)`` ``Shard(0)`` and B
+    ``(out, r * E)`` ``_StridedShard(1, split_factor=r)`` (PEFT reads B's expert columns strided),
+    local ``(r * E / ep, in)`` and ``(out, r * E / ep)``. The dispatch moves to the outermost wrapper,
+    whose own (PEFT's) forward runs on the local experts and factors; their gradients get the
+    experts' gradient scale. Not built: with ``tp_mesh``, or one expert per rank.
+
     Args:
         model: the model.
         ep_mesh: the 1-D ``ep`` mesh, :attr:`fsdptk.ParallelDims.ep_mesh`.
@@ -101,7 +110,9 @@ def apply_ep(
         ValueError: no module matched; a module's parameters do not hold the experts on dim 0 with
             one count; ``ep`` does not divide a module's number of experts (both named); a
             parameter is already a DTensor (TP rules for the experts); the TP group is not inside
-            the EP group; the meshes are not 1-D.
+            the EP group; the meshes are not 1-D; a LoRA factor on the experts whose experts dim is
+            not ``r * E`` (key and shape named).
+        NotImplementedError: LoRA on the experts with ``tp_mesh``, or with one expert per rank.
         TypeError: a mesh that is not a DeviceMesh, or ``experts`` a string.
 
     Examples:
@@ -121,15 +132,54 @@ def apply_ep(
     style.check_meshes()
     chosen = _select(model, experts)
     modules = dict(model.named_modules())
-    for fqn in chosen:  # everything checked before anything changes
+    chains = _lora_chains(model, chosen, style)  # everything checked before anything changes
+    for fqn in chosen:
         if experts_info(modules[fqn]) is not None:
             raise ValueError(f"experts module '{fqn}' is already expert-parallel")
         style.check(modules[fqn], fqn)
     for fqn in chosen:
-        style.apply(modules[fqn], fqn)
+        chain = chains.get(fqn)
+        if chain is None:
+            style.apply(modules[fqn], fqn)
+            continue
+        _apply_with_lora(style, modules[fqn], fqn, chain)
     log_rank0(_log, "apply_ep: %d experts modules sharded over ep=%d%s", len(chosen), ep_mesh.size(),
               f" (tokens sliced over tp={tp_mesh.size()})" if tp_mesh is not None else "")
     return chosen
+
+
+def _lora_chains(model: nn.Module, chosen: list[str], style: ExpertParallel
+                 ) -> dict[str, list[tuple[str, nn.Module]]]:
+    """``{experts fqn: its PEFT ParamWrapper chain, outermost first}`` for the chosen modules that
+    carry LoRA on their weights (``target_parameters``), each chain checked (changes nothing)."""
+    from fsdptk._plans.peft_wrappers import check_ep_factors, ep_lora_tp, wrapper_chains
+
+    by_id = wrapper_chains(model)
+    modules = dict(model.named_modules())
+    out: dict[str, list[tuple[str, nn.Module]]] = {}
+    for fqn in chosen:
+        chain = by_id.get(id(modules[fqn]))
+        if chain is None:
+            continue
+        params = sorted(str(w.parameter_name) for _, w in chain)
+        if style.tp_mesh is not None:
+            raise NotImplementedError(ep_lora_tp(chain[0][0], params, fqn))
+        experts = style.check(modules[fqn], fqn)
+        check_ep_factors(chain, experts, style.ep_mesh.size())
+        out[fqn] = chain
+    return out
+
+
+def _apply_with_lora(style: ExpertParallel, module: nn.Module, fqn: str,
+                     chain: list[tuple[str, nn.Module]]) -> None:
+    """Expert parallelism for an experts module PEFT wraps: the LoRA factors sharded with the experts,
+    the dispatch around the outermost wrapper, PEFT's forward run on the local experts."""
+    from fsdptk._plans.peft_wrappers import local_factors, shard_ep_factors
+
+    local = style.check(module, fqn) // style.ep_mesh.size()
+    shard_ep_factors(chain, style.ep_mesh)
+    style.apply(module, fqn, entry=chain[0][1],
+                around=lambda scale: local_factors(chain, local, scale))
 
 
 def expert_modules(model: nn.Module) -> list[str]:

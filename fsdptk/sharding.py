@@ -179,16 +179,29 @@ def _check_lora_factor_units(model: nn.Module, units: Sequence[Unit]) -> None:
                     "their wrapper (e.g. the decoder layer: no_split_modules(model))")
 
 
-def _check_no_lora_on_ep_experts(model: nn.Module, experts: list[tuple[str, nn.Module]]) -> None:
-    """NotImplementedError for an expert-parallel module whose parameters PEFT wraps (LoRA on the
-    experts under EP, e.g. ``apply_ep`` given the wrapped module's FQN by hand)."""
-    from fsdptk._plans.peft_wrappers import lora_on_ep_experts, param_wrapped
+def _expert_unit_modules(model: nn.Module, experts: list[tuple[str, nn.Module]]
+                         ) -> list[tuple[str, nn.Module, nn.Module]]:
+    """``(unit fqn, unit, experts module)`` for each expert-parallel module: the module itself, or,
+    with LoRA on its weights (PEFT ``ParamWrapper`` s, made expert-parallel by ``apply_ep`` with
+    them), the outermost wrapper, so the experts' LoRA factors are FSDP-sharded over the expert mesh
+    with the experts. An expert-parallel module PEFT wrapped after ``apply_ep`` is refused
+    (NotImplementedError naming it) before anything is sharded."""
+    from fsdptk._plans.ep_styles import experts_info
+    from fsdptk._plans.peft_wrappers import ep_lora_order, wrapper_chains
 
-    wrapped = param_wrapped(model) if experts else {}
+    chains = wrapper_chains(model) if experts else {}
+    out = []
     for fqn, module in experts:
-        hit = wrapped.get(id(module))
-        if hit is not None:
-            raise NotImplementedError(lora_on_ep_experts(hit[0], hit[1], fqn))
+        chain = chains.get(id(module))
+        info = experts_info(module)
+        if chain is None:
+            out.append((fqn, module, module))
+        elif info is None or info.entry is not chain[0][1]:
+            params = sorted(str(w.parameter_name) for _, w in chain)
+            raise NotImplementedError(ep_lora_order(chain[0][0], params, fqn))
+        else:
+            out.append((chain[0][0], chain[0][1], module))
+    return out
 
 
 def _set_prefetch(units: list[FSDPModule], forward: int, backward: int) -> None:
@@ -266,7 +279,9 @@ def shard_model(
             sharded first, with the same options; its gradients are averaged over every
             data-parallel rank (``dp_mesh``'s size), not only over the expert mesh, because every
             rank's tokens reach the experts, so the experts' gradients match the dense model's
-            (fp32 or any ``reduce_dtype``).
+            (fp32 or any ``reduce_dtype``). With LoRA on the experts (PEFT ``ParamWrapper`` s that
+            ``apply_ep`` sharded with them) the unit is the outermost wrapper: the experts and
+            their LoRA factors, whose gradients get the same scale.
 
     Returns:
         ShardingPlan: the applied units (see :func:`describe_sharding`); ``print`` it for a table.
@@ -279,8 +294,8 @@ def shard_model(
             modules and no ``expert_dp_mesh`` (or one without them), or ``expert_dp_mesh`` is not
             of the experts' mesh or has more ranks than ``dp_mesh``.
         ShardConditionError: when a condition raises; names the condition and the module FQN.
-        NotImplementedError: an expert-parallel module whose parameters carry PEFT LoRA
-            (``target_parameters``): LoRA on the experts under EP is not built.
+        NotImplementedError: an expert-parallel module that PEFT wrapped (LoRA on its weights,
+            ``target_parameters``) after :func:`fsdptk.apply_ep`: call ``get_peft_model`` first.
         RuntimeError: when ``cpu_offload=True`` without an accelerator, or without a mesh and a
             process group. In every error case the model is left unchanged.
         TypeError: on arguments of the wrong type.
@@ -299,8 +314,7 @@ def shard_model(
                    root_reshard_after_forward)
     plan = make_plan(model, shard_conditions)
     _check_lora_factor_units(model, plan.units)
-    experts = _expert_units(model, expert_dp_mesh)
-    _check_no_lora_on_ep_experts(model, experts)
+    experts = _expert_unit_modules(model, _expert_units(model, expert_dp_mesh))
     expert_scale = _expert_grad_scale(expert_dp_mesh, dp_mesh) if experts else 1.0
     world_size = _shard_world_size(dp_mesh)
     summary = summarise(plan, world_size)
@@ -313,8 +327,8 @@ def shard_model(
         "shard_placement_fn": shard_placement_fn,
     }
     # The experts first (innermost), over their own mesh. Gradients: see _expert_grad_scale.
-    for fqn, module in experts:
-        fully_shard(module, **{**kwargs, "mesh": expert_dp_mesh})
+    for fqn, holder, module in experts:
+        fully_shard(holder, **{**kwargs, "mesh": expert_dp_mesh})
         set_grad_scale(module, expert_scale)
         log_rank0(_log, "fully_shard(%s) over the expert mesh %s, gradients scaled by %s", fqn,
                   tuple(expert_dp_mesh.shape) if expert_dp_mesh is not None else None,

@@ -19,10 +19,10 @@ in one process ->
 - a bad experts adapter (an expert's block of A missing, another rank ``r``) is one ValueError on
   every rank naming the key and both shapes (and both ``r``), the adapters left on ``meta``.
 
-Expert parallelism (item 3 of the brief, its first step): ``hf_ep_plan`` sees through PEFT's
-prefixes (a PEFT Qwen3-MoE with LoRA on attention, ep=2 over 2 FSDP ranks, gives PEFT's logits and
-SGD step), and LoRA on the experts under EP is refused by name (NotImplementedError): by
-``hf_ep_plan``, and by ``shard_model`` when ``apply_ep`` was given the wrapped module by hand.
+Expert parallelism: ``hf_ep_plan`` sees through PEFT's prefixes (a PEFT Qwen3-MoE with LoRA on
+attention, ep=2 over 2 FSDP ranks, gives PEFT's logits and SGD step) and names the experts module
+inside its LoRA wrappers; ``shard_model`` refuses by name an experts module PEFT wrapped after
+``apply_ep``. LoRA on the experts under EP itself: tests/test_peft_experts_ep.py.
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def test_hf_ep_plan_sees_through_peft_and_ep_trains_attention_lora(world, tmp_pa
         torch.testing.assert_close(adapters[k], v, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
 
-def test_lora_on_the_experts_under_ep_is_refused_by_name() -> None:
+def test_hf_ep_plan_names_the_experts_module_inside_its_lora_wrappers() -> None:
     from fsdptk.hf import hf_ep_plan
 
     config = transformers.Qwen3MoeConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -283,12 +283,12 @@ def test_lora_on_the_experts_under_ep_is_refused_by_name() -> None:
                                          num_experts=4, moe_intermediate_size=8, intermediate_size=32)
     with torch.device("meta"):
         model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config), _lora())
-    with pytest.raises(NotImplementedError) as info:
-        hf_ep_plan(model)
-    msg = str(info.value)
-    assert "LoRA on the experts under expert parallelism is not supported" in msg
-    assert "ParamWrapper 'base_model.model.model.layers.0.mlp.experts'" in msg
-    assert "['down_proj', 'gate_up_proj']" in msg and "Use ep=1" in msg
+    experts = hf_ep_plan(model)
+    # the module holding the fused weights, inside PEFT's two ParamWrappers (apply_ep shards both;
+    # tests/test_peft_experts_ep.py trains it)
+    assert experts == [f"base_model.model.model.layers.{i}.mlp.experts.base_layer.base_layer" for i in range(2)]
+    modules = dict(model.named_modules())
+    assert all(type(modules[f]).__name__ == "Qwen3MoeExperts" for f in experts)
 
 
 def _bad_adapter(src: str, bad: str) -> tuple[str, str, bool]:
@@ -339,8 +339,8 @@ def test_a_bad_experts_adapter_is_named_on_every_rank_before_the_model_changes(w
     assert len({m.removesuffix(" (on rank 0)") for _, m, _ in results}) == 1
 
 
-def _ep_by_hand() -> tuple[str, str, bool]:
-    """On every rank: apply_ep on the experts module PEFT wraps, named by hand, then shard_model."""
+def _peft_after_ep() -> tuple[str, str, bool]:
+    """On every rank: apply_ep on the bare experts, then get_peft_model (LoRA on them), shard_model."""
     from torch.distributed.fsdp import FSDPModule
 
     from fsdptk import ParallelDims, apply_ep, shard_model
@@ -350,11 +350,11 @@ def _ep_by_hand() -> tuple[str, str, bool]:
                                          num_key_value_heads=1, head_dim=16, vocab_size=64,
                                          num_experts=4, moe_intermediate_size=8, intermediate_size=32)
     with torch.device("meta"):
-        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config), _lora())
+        base = transformers.AutoModelForCausalLM.from_config(config)
     dims = ParallelDims(dp_shard=2, ep=2)
     dims.build_mesh("cpu")
-    inner = "base_model.model.model.layers.0.mlp.experts.base_layer.base_layer"
-    apply_ep(model, dims.ep_mesh, [inner])
+    apply_ep(base, dims.ep_mesh, ["model.layers.0.mlp.experts"])
+    model = peft.get_peft_model(base, _lora())
     try:
         shard_model(model, no_split_modules(model), cpu_offload=False, dp_mesh=dims.fsdp_mesh,
                     expert_dp_mesh=dims.expert_fsdp_mesh)
@@ -363,8 +363,10 @@ def _ep_by_hand() -> tuple[str, str, bool]:
     return "", "", True
 
 
-def test_lora_on_experts_made_expert_parallel_by_hand_is_refused_by_shard_model(world) -> None:
-    for rank, (kind, msg, sharded) in enumerate(world(2).run(_ep_by_hand, timeout=120)):
+def test_lora_on_experts_wrapped_after_apply_ep_is_refused_by_shard_model(world) -> None:
+    for rank, (kind, msg, sharded) in enumerate(world(2).run(_peft_after_ep, timeout=120)):
         assert kind == "NotImplementedError" and not sharded, (rank, kind, msg)
-        assert "LoRA on the experts under expert parallelism is not supported" in msg, msg
+        assert "ParamWrapper 'base_model.model.model.layers.0.mlp.experts'" in msg, msg
         assert "'base_model.model.model.layers.0.mlp.experts.base_layer.base_layer'" in msg, msg
+        assert "made expert-parallel before PEFT wrapped it" in msg, msg
+        assert "Call peft.get_peft_model before fsdptk.apply_ep" in msg, msg

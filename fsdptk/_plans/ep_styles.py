@@ -19,7 +19,10 @@ dispatch around the module's own forward:
    ``Shard(0) -> Replicate``, whose backward keeps each rank's slice of the gradient).
 
 The parameters are swapped for their local tensors for the module's own forward (gradients flow
-back to the DTensors, multiplied by the module's gradient scale: :func:`set_grad_scale`). A rank
+back to the DTensors, multiplied by the module's gradient scale: :func:`set_grad_scale`). When
+something around the experts module computes on its weights (PEFT's ``ParamWrapper`` s: LoRA on the
+experts), the dispatch is installed on that outer ``entry`` module instead, and an ``around``
+context makes its own expert-sharded tensors local too, with the same scale. A rank
 that receives no rows still runs its experts on one zero-weighted row, so the backward reaches
 every parameter and FSDP's gradient reduction runs on every rank.
 """
@@ -27,6 +30,7 @@ every parameter and FSDP's gradient reduction runs on every rank.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -38,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 __all__ = ["EP_ATTR", "ExpertParallel", "ExpertsInfo", "check_divides", "check_experts_divide", "experts_info",
-           "set_grad_scale", "where"]
+           "grad_scale", "local_view", "set_grad_scale", "where"]
 
 EP_ATTR = "_fsdptk_expert_parallel"  # set on an experts module once EP is applied
 _GRAD_SCALE_ATTR = "_fsdptk_expert_grad_scale"  # set by set_grad_scale; 1.0 when absent
@@ -51,6 +55,7 @@ class ExpertsInfo:
     ep_mesh: DeviceMesh
     num_experts: int  # all experts of the module
     local_experts: int  # those on each rank
+    entry: nn.Module | None = None  # the module that runs the dispatch when not this one (LoRA)
 
 
 def experts_info(module: nn.Module) -> ExpertsInfo | None:
@@ -73,6 +78,19 @@ def set_grad_scale(module: nn.Module, scale: float) -> None:
     if not 0.0 < scale <= 1.0:
         raise ValueError(f"an experts gradient scale must be in (0, 1], got {scale}")
     setattr(module, _GRAD_SCALE_ATTR, float(scale))
+
+
+def grad_scale(module: nn.Module) -> float:
+    """The gradient scale :func:`set_grad_scale` gave the expert-parallel ``module`` (1.0 if none)."""
+    return float(getattr(module, _GRAD_SCALE_ATTR, 1.0))
+
+
+def local_view(p: DTensor, scale: float = 1.0) -> torch.Tensor:
+    """``p.to_local()``, its gradient multiplied by ``scale`` in the backward (when not 1)."""
+    local = p.to_local()
+    if scale != 1.0 and local.requires_grad:
+        local = _ScaleGrad.apply(local, scale)
+    return local
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -184,8 +202,14 @@ class ExpertParallel:
                              f"({experts})")
         return int(experts)
 
-    def apply(self, module: nn.Module, fqn: str) -> None:
-        """Shard the parameters and install the dispatch (after :meth:`check`)."""
+    def apply(self, module: nn.Module, fqn: str, *, entry: nn.Module | None = None,
+              around: Callable[[float], AbstractContextManager[Any]] | None = None) -> None:
+        """Shard the parameters and install the dispatch (after :meth:`check`).
+
+        ``entry``: the module the model calls for these experts when it is not ``module`` (a
+        wrapper around it, e.g. PEFT's ``ParamWrapper`` s); the dispatch replaces its forward, and
+        ``around(scale)`` is entered with the local parameters around its own forward.
+        """
         experts = self.check(module, fqn)
         local = experts // self.ep_mesh.size()
         for name, p in list(module.named_parameters()):
@@ -196,12 +220,14 @@ class ExpertParallel:
             setattr(module, "num_experts", local)  # noqa: B010 - its own forward sees local experts
         if hasattr(module, "_is_expert_parallel"):  # transformers' kernels mask sentinels then
             setattr(module, "_is_expert_parallel", True)  # noqa: B010
-        own_forward = module.forward
-        setattr(module, "forward", self._forward(module, own_forward, local))  # noqa: B010
-        setattr(module, EP_ATTR, ExpertsInfo(self.ep_mesh, experts, local))
+        host = module if entry is None else entry
+        own_forward = host.forward
+        setattr(host, "forward", self._forward(module, own_forward, local, around))  # noqa: B010
+        setattr(module, EP_ATTR, ExpertsInfo(self.ep_mesh, experts, local, entry))
 
     # -- the dispatch ---------------------------------------------------------------------------
-    def _forward(self, module: nn.Module, own_forward: Callable[..., Any], local: int
+    def _forward(self, module: nn.Module, own_forward: Callable[..., Any], local: int,
+                 around: Callable[[float], AbstractContextManager[Any]] | None = None
                  ) -> Callable[..., torch.Tensor]:
         def ep_forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -210,7 +236,8 @@ class ExpertParallel:
             if isinstance(top_k_weights, DTensor):
                 top_k_weights = top_k_weights.to_local()
             rows, ids, weights, route = self._dispatch(hidden_states, top_k_index, top_k_weights, local)
-            with _local_params(module, getattr(module, _GRAD_SCALE_ATTR, 1.0)):
+            scale = grad_scale(module)
+            with _local_params(module, scale), (nullcontext() if around is None else around(scale)):
                 if rows.shape[0]:
                     out = own_forward(rows, ids, weights)
                 else:  # keep the backward (and FSDP's reduction) running on this rank
@@ -266,7 +293,12 @@ class ExpertParallel:
 
 class _local_params:  # noqa: N801 - used as a context manager
     """Swap a module's DTensor parameters for their local tensors for one call (gradients flow
-    back to the DTensors through ``to_local``'s autograd, multiplied by ``scale`` when not 1)."""
+    back to the DTensors through ``to_local``'s autograd, multiplied by ``scale`` when not 1).
+
+    A parametrization registered on a swapped parameter during the call (PEFT's ``ParamWrapper``
+    adds LoRA's delta that way) holds the local tensor as its ``original``; once it is removed with
+    ``leave_parametrized=False`` torch puts that plain tensor back as a buffer, which is dropped
+    here before the DTensor Parameter returns."""
 
     def __init__(self, module: nn.Module, scale: float = 1.0) -> None:
         self.module = module
@@ -277,11 +309,10 @@ class _local_params:  # noqa: N801 - used as a context manager
         for n, p in self.module._parameters.items():
             if isinstance(p, DTensor):
                 self.saved[n] = p
-                local = p.to_local()
-                if self.scale != 1.0 and local.requires_grad:
-                    local = _ScaleGrad.apply(local, self.scale)
-                self.module._parameters[n] = local
+                self.module._parameters[n] = local_view(p, self.scale)
 
     def __exit__(self, *exc: object) -> None:
+        for n in self.saved:
+            self.module._buffers.pop(n, None)
         self.module._parameters.update(self.saved)
         self.saved = {}

@@ -19,9 +19,9 @@ def experts_from_plan(model: nn.Module) -> list[str]:
 
     A PEFT model's plan is its base model's, matched on the base model's module tree (PEFT's
     prefixes and ``base_layer`` levels read off the tree by :func:`fsdptk._plans.peft.base_modules`)
-    and answered with the PEFT model's own FQNs. LoRA on the experts (a ``ParamWrapper`` over an
-    experts module, ``target_parameters``) is refused: nothing cuts its factors to each rank's
-    experts yet.
+    and answered with the PEFT model's own FQNs: with LoRA on the experts (``ParamWrapper`` s over
+    an experts module, ``target_parameters``) the experts module itself, inside its wrappers, which
+    :func:`fsdptk.apply_ep` then shards with it.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -31,21 +31,7 @@ def experts_from_plan(model: nn.Module) -> list[str]:
     if view is None:
         return _experts(model, dict(model.named_modules()))
     base = _experts(base_model(model), {b: m for b, (_, m) in view.items()})
-    real = [view[b][0] for b in base]
-    _refuse_wrapped(model, real)
-    return real
-
-
-def _refuse_wrapped(model: nn.Module, experts: list[str]) -> None:
-    """NotImplementedError naming a PEFT ``ParamWrapper`` over one of ``experts``."""
-    from fsdptk._plans.peft_wrappers import lora_on_ep_experts, param_wrapped
-
-    wrapped = param_wrapped(model)
-    modules = dict(model.named_modules())
-    for fqn in experts:
-        hit = wrapped.get(id(modules[fqn]))
-        if hit is not None:
-            raise NotImplementedError(lora_on_ep_experts(hit[0], hit[1], fqn))
+    return [view[b][0] for b in base]
 
 
 def _experts(model: nn.Module, modules: dict[str, nn.Module]) -> list[str]:

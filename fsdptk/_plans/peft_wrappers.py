@@ -1,15 +1,35 @@
 """PEFT's ``ParamWrapper`` (LoRA on a parameter, ``target_parameters``: e.g. the fused experts of a
 transformers 5 MoE model) and the rules fsdptk keeps around it: the LoRA factors a wrapper reads
-without calling them stay in their wrapper's FSDP unit (peft#3080), and LoRA on the experts under
-expert parallelism is refused by name (nothing cuts the factors to each rank's experts yet)."""
+without calling them stay in their wrapper's FSDP unit (peft#3080), and under expert parallelism
+the factors are sharded with the experts (:func:`shard_ep_factors`) and computed on the local
+experts (:class:`local_factors`).
+
+Design note (LoRA on the experts under EP). PEFT 0.21 stores an experts ``ParamWrapper``'s factors
+as ``A = lora_A.weight (r * E, in)``, read as ``A.reshape(E, r, in)`` (expert ``e``'s ``r`` rows
+contiguous), and ``B = lora_B.weight (out, r * E)``, read as ``B.reshape(out, r, E)`` (expert ``e``'s
+columns ``e, E + e, 2E + e, ...``: strided). With each ``ep`` rank holding a contiguous range of
+``L = E / ep`` experts, its blocks are ``Shard(0)`` of A and ``_StridedShard(1, split_factor=r)`` of
+B over the ``ep`` mesh (torch's placement: the columns cut into ``r`` groups of ``E``, each group
+``Shard``-ed), and the local tensors are exactly PEFT's layout for ``L`` experts: ``(r * L, in)``
+and ``(out, r * L)``. So the forward runs PEFT's own code on local tensors with the wrapper's
+``num_experts`` set to ``L`` for the call; nothing mixes Tensor and DTensor, and the engine gathers,
+saves and loads the factors through DTensor's own placement math like any other DTensor.
+"""
 
 from __future__ import annotations
 
-from torch import nn
+from typing import Any
 
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from fsdptk._core.compat import StridedShard
+from fsdptk._plans.ep_styles import local_view
 from fsdptk._plans.peft import peft_configs
 
-__all__ = ["lora_on_ep_experts", "param_wrapped", "read_not_called"]
+__all__ = ["check_ep_factors", "ep_lora_order", "ep_lora_tp", "local_factors", "param_wrapped",
+           "read_not_called", "shard_ep_factors", "wrapper_chains"]
 
 
 def read_not_called(model: nn.Module) -> dict[int, tuple[str, str]]:
@@ -55,10 +75,126 @@ def param_wrapped(model: nn.Module) -> dict[int, tuple[str, list[str]]]:
     return out
 
 
-def lora_on_ep_experts(wrapper: str, params: list[str], experts: str) -> str:
-    """The message refusing LoRA on the experts under expert parallelism."""
-    return (f"LoRA on the experts under expert parallelism is not supported: PEFT's ParamWrapper "
-            f"'{wrapper}' (target_parameters {params}) wraps experts module '{experts}', and fsdptk "
-            "does not cut its LoRA factors (A (r * E, in), B (out, r * E)) to each rank's experts. "
-            "Use ep=1 (FSDP / HSDP shard the factors with their decoder layer), or LoRA on the other "
-            "layers only (target_modules, no target_parameters) with ep > 1")
+def wrapper_chains(model: nn.Module) -> dict[int, list[tuple[str, nn.Module]]]:
+    """``{id(module): [(fqn, wrapper), ...]}``: the PEFT ``ParamWrapper`` s around each module whose
+    parameters they wrap, outermost first. Empty for a model without PEFT adapters."""
+    if peft_configs(model) is None:
+        return {}
+    from peft.tuners.lora.layer import ParamWrapper
+
+    out: dict[int, list[tuple[str, nn.Module]]] = {}
+    inner = {id(m.base_layer) for m in model.modules() if isinstance(m, ParamWrapper)}
+    for name, mod in model.named_modules():
+        if isinstance(mod, ParamWrapper) and id(mod) not in inner:
+            chain: list[tuple[str, nn.Module]] = []
+            base: nn.Module = mod
+            while isinstance(base, ParamWrapper):
+                chain.append((name + ".base_layer" * len(chain), base))
+                base = base.base_layer
+            out[id(base)] = chain
+    return out
+
+
+def _factors(wrapper: Any) -> list[tuple[str, str, nn.Module, int]]:
+    """``(adapter, "lora_A" | "lora_B", the factor's nn.Linear, r)`` of every adapter of ``wrapper``."""
+    return [(a, part, getattr(wrapper, part)[a], int(wrapper.r[a]))
+            for a in wrapper.lora_A for part in ("lora_A", "lora_B")]
+
+
+def check_ep_factors(chain: list[tuple[str, nn.Module]], experts: int, ep: int) -> None:
+    """Validate the LoRA factors of an experts module's ``ParamWrapper`` s for expert parallelism
+    over ``ep`` ranks (``ep`` divides ``experts``: checked before). Changes nothing.
+
+    Raises:
+        ValueError: a wrapper's ``num_experts`` is not the module's count, or a factor does not hold
+            ``r * experts`` on its experts dim (names the key and both shapes); a factor is already
+            a DTensor.
+        NotImplementedError: one expert per rank (PEFT 0.21's ``ParamWrapper`` computes a
+            1-expert delta as a 2-D weight), or a LoRA bias.
+    """
+    local = experts // ep
+    for fqn, wrapper in chain:
+        n = getattr(wrapper, "num_experts", None)
+        if n != experts:
+            raise ValueError(f"PEFT ParamWrapper '{fqn}' ({wrapper.parameter_name}) was built for "
+                             f"num_experts={n}, its experts module holds {experts}")
+        if local < 2:
+            raise NotImplementedError(
+                f"LoRA on the experts under expert parallelism needs at least 2 experts per rank: "
+                f"ep ({ep}) leaves {local} of the {experts} experts of '{fqn}' on each rank, and "
+                "PEFT 0.21's ParamWrapper computes a 1-expert delta as a 2-D weight; use a smaller ep")
+        for adapter, part, linear, r in _factors(wrapper):
+            w = linear._parameters["weight"]
+            assert w is not None
+            key = f"{fqn}.{part}.{adapter}.weight"
+            if isinstance(w, DTensor):
+                raise ValueError(f"LoRA factor '{key}' is already a DTensor ({w.placements}): apply "
+                                 "expert parallelism to the unsharded PEFT model")
+            if getattr(linear, "bias", None) is not None:
+                raise NotImplementedError(f"LoRA factor '{fqn}.{part}.{adapter}' has a bias: LoRA "
+                                          "on the experts under expert parallelism takes none")
+            dim = 0 if part == "lora_A" else 1
+            if w.dim() != 2 or w.shape[dim] != r * experts:
+                raise ValueError(
+                    f"LoRA factor '{key}' has shape {list(w.shape)}: dim {dim} must be r * experts "
+                    f"= {r} * {experts} = {r * experts} to be cut to each rank's experts")
+
+
+def shard_ep_factors(chain: list[tuple[str, nn.Module]], ep_mesh: DeviceMesh) -> None:
+    """Make every LoRA factor of the wrappers a DTensor over ``ep_mesh`` holding this rank's experts'
+    blocks: A ``Shard(0)``, B ``_StridedShard(1, split_factor=r)`` (see the module's design note).
+    After :func:`check_ep_factors`; ``meta`` is fine."""
+    for _, wrapper in chain:
+        for _, part, linear, r in _factors(wrapper):
+            w = linear._parameters["weight"]
+            assert w is not None
+            placement = Shard(0) if part == "lora_A" else StridedShard(1, split_factor=r)
+            linear.register_parameter("weight", nn.Parameter(
+                distribute_tensor(w, ep_mesh, [placement], src_data_rank=0),
+                requires_grad=w.requires_grad))
+
+
+class local_factors:  # noqa: N801 - used as a context manager
+    """For one call of the wrappers' forward on the local experts: every LoRA factor swapped for its
+    local tensor (its gradient multiplied by ``scale``, the experts' gradient scale) and each
+    wrapper's ``num_experts`` set to ``local``; all restored on exit."""
+
+    def __init__(self, chain: list[tuple[str, nn.Module]], local: int, scale: float) -> None:
+        self.chain = chain
+        self.local = local
+        self.scale = scale
+        self.saved: list[tuple[nn.Module, Any]] = []
+        self.counts: list[tuple[nn.Module, Any]] = []
+
+    def __enter__(self) -> None:
+        for _, wrapper in self.chain:
+            self.counts.append((wrapper, getattr(wrapper, "num_experts")))  # noqa: B009
+            setattr(wrapper, "num_experts", self.local)  # noqa: B010
+            for _, _, linear, _ in _factors(wrapper):
+                w = linear._parameters["weight"]
+                if isinstance(w, DTensor):
+                    self.saved.append((linear, w))
+                    linear._parameters["weight"] = local_view(w, self.scale)
+
+    def __exit__(self, *exc: object) -> None:
+        for linear, w in self.saved:
+            linear._parameters["weight"] = w
+        for wrapper, n in self.counts:
+            setattr(wrapper, "num_experts", n)  # noqa: B010
+        self.saved, self.counts = [], []
+
+
+def ep_lora_order(wrapper: str, params: list[str], experts: str) -> str:
+    """The message refusing an expert-parallel experts module that PEFT wrapped afterwards."""
+    return (f"PEFT's ParamWrapper '{wrapper}' (target_parameters {params}) wraps experts module "
+            f"'{experts}', which was made expert-parallel before PEFT wrapped it: its LoRA factors "
+            "were sized and placed without the experts' sharding. Call peft.get_peft_model before "
+            "fsdptk.apply_ep (apply_ep then shards the factors with the experts)")
+
+
+def ep_lora_tp(wrapper: str, params: list[str], experts: str) -> str:
+    """The message refusing LoRA on the experts under expert parallelism with tensor parallelism."""
+    return (f"LoRA on the experts under expert parallelism with tensor parallelism (tp_mesh) is not "
+            f"built: PEFT's ParamWrapper '{wrapper}' (target_parameters {params}) wraps experts "
+            f"module '{experts}'. Use tp=1 with ep > 1 (FSDP x EP, HSDP x EP), or ep=1 with FSDP x TP")
+
