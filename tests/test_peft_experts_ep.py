@@ -232,3 +232,80 @@ def test_lora_on_the_experts_under_ep_loads_trains_and_saves_as_peft(world, tmp_
                                    rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(loaded(input_ids=_batch()).logits, judge["trained"],
                                    rtol=1e-4, atol=1e-5)
+
+
+def _bad_adapter(src: str, bad: str) -> tuple[str, str, bool]:
+    """On every rank: the EP composition up to load_adapter of a bad experts adapter."""
+    from fsdptk.hf import load_adapter
+
+    model, _, _, _ = _ep_model(src, {"dp_shard": 2, "ep": 2})
+    try:
+        load_adapter(model, bad)
+    except (ValueError, KeyError) as e:
+        untouched = all(p.to_local().is_meta for n, p in model.named_parameters() if "lora_" in n)
+        return type(e).__name__, str(e), untouched
+    return "", "", False
+
+
+@pytest.mark.parametrize("case", ["other_expert_count", "other_rank"])
+def test_a_bad_experts_adapter_under_ep_is_named_on_every_rank_before_the_model_changes(
+        world, tmp_path_factory, case) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = str(build_reference(tmp_path_factory, "qwen3_moe")["src"])
+    torch.manual_seed(3)
+    r = 8 if case == "other_rank" else 4
+    lora = peft.LoraConfig(r=r, lora_alpha=8, target_modules=["q_proj"], target_parameters=_EXPERTS,
+                           init_lora_weights=False)
+    bad = tmp_path_factory.mktemp(f"ep_bad_{case}")
+    peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(src), lora).save_pretrained(bad)
+    prefix = "base_model.model.model.layers.1.mlp.experts.base_layer"  # gate_up: A (r*E, H), B (2I, r*E)
+    if case == "other_expert_count":  # the layout PEFT gives an experts module of 4 experts, not 8
+        tensors = load_file(bad / "adapter_model.safetensors")
+        a, b = tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"]
+        tensors[f"{prefix}.lora_A.weight"] = a.reshape(8, 4, -1)[:4].reshape(16, -1).contiguous()
+        tensors[f"{prefix}.lora_B.weight"] = b.reshape(b.shape[0], 4, 8)[:, :, :4].reshape(b.shape[0], 16).contiguous()
+        save_file(tensors, bad / "adapter_model.safetensors", metadata={"format": "pt"})
+    results = world(2).run(_bad_adapter, src, str(bad), timeout=180)
+    for rank, (kind, msg, untouched) in enumerate(results):
+        assert kind == "ValueError" and untouched, (rank, kind, msg)
+        if case == "other_expert_count":
+            assert f"'{prefix}.lora_A.weight': shape [16, 64] in the file, [32, 64] in the model" in msg, msg
+        else:
+            assert "shape [64, 64] in the file, [32, 64] in the model" in msg, msg
+            assert "r: 8 in adapter_config.json, 4 in the model's adapter 'default'" in msg, msg
+    assert len({m.removesuffix(" (on rank 0)") for _, m, _ in results}) == 1
+
+
+def _not_built(case: str) -> tuple[str, str, bool]:
+    """On every rank: apply_ep where LoRA on the experts is still not built; is anything sharded?"""
+    from torch.distributed.tensor import DTensor
+
+    from fsdptk import ParallelDims, apply_ep
+    from fsdptk.hf import hf_ep_plan
+
+    experts = 2 if case == "one_expert_per_rank" else 4
+    config = transformers.Qwen3MoeConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=2, head_dim=16, vocab_size=64,
+                                         num_experts=experts, num_experts_per_tok=1,
+                                         moe_intermediate_size=8, intermediate_size=32)
+    with torch.device("meta"):
+        model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config), _lora())
+    dims = ParallelDims(dp_shard=1, tp=2, ep=2) if case == "ep_x_tp" else ParallelDims(dp_shard=2, ep=2)
+    dims.build_mesh("cpu")
+    try:
+        apply_ep(model, dims.ep_mesh, hf_ep_plan(model), tp_mesh=dims.tp_mesh if case == "ep_x_tp" else None)
+    except NotImplementedError as e:
+        return type(e).__name__, str(e), any(isinstance(p, DTensor) for p in model.parameters())
+    return "", "", True
+
+
+@pytest.mark.parametrize("case", ["ep_x_tp", "one_expert_per_rank"])
+def test_what_is_not_built_is_refused_by_name_before_anything_changes(world, case) -> None:
+    for rank, (kind, msg, changed) in enumerate(world(2).run(_not_built, case, timeout=120)):
+        assert kind == "NotImplementedError" and not changed, (rank, kind, msg)
+        if case == "ep_x_tp":
+            assert "LoRA on the experts under expert parallelism with tensor parallelism (tp_mesh) is not built" in msg
+            assert "ParamWrapper 'base_model.model.model.layers.0.mlp.experts'" in msg, msg
+        else:
+            assert "needs at least 2 experts per rank: ep (2) leaves 1 of the 2 experts" in msg, msg
