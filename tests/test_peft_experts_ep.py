@@ -120,11 +120,19 @@ def _train(src: str, init: str, out: str, dims: dict) -> dict:
     from fsdptk.hf import load_adapter, save_adapter
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    from _counting import file_reads
+
     model, pd, experts, keys = _ep_model(src, dims)
-    ares = load_adapter(model, init)
+    with file_reads() as reads:
+        ares = load_adapter(model, init)
     factors = _factors(model)
-    memory = {n: (p.numel(), p.to_local().numel(), _ep_placement(p), list(p.device_mesh.mesh_dim_names))
-              for n, p in factors.items()}
+    read = {}  # the experts factors' bytes this rank read from the adapter file, by model fqn
+    for key, _, nbytes in reads:
+        fqn = key.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight")
+        if fqn in factors:
+            read[fqn] = read.get(fqn, 0) + nbytes
+    memory = {n: (p.numel(), p.to_local().numel(), _ep_placement(p), list(p.device_mesh.mesh_dim_names),
+                  read.get(n, 0) // p.element_size()) for n, p in factors.items()}
     blocks = _ep_blocks(model)
     batch = _batch()
     with torch.no_grad():
@@ -183,8 +191,9 @@ def test_lora_on_the_experts_under_ep_loads_trains_and_saves_as_peft(world, tmp_
         assert r["keys"] == ([], [], [], []), (rank, r["keys"])
         # memory: this rank holds 1 / (ep * efsdp) of every experts factor, its experts' blocks only
         assert len(r["memory"]) == 8, r["memory"]  # 2 layers x 2 wrappers x (A, B)
-        for name, (full, local, placement, mesh) in r["memory"].items():
+        for name, (full, local, placement, mesh, read) in r["memory"].items():
             assert mesh == ["efsdp", "ep"] and local * ep * efsdp == full, (rank, name, full, local, mesh)
+            assert read == local, (rank, name, full, local, read)  # load_adapter read only its blocks
             assert placement == (("Shard", 0, None) if ".lora_A." in name else ("_StridedShard", 1, 4)), (
                 name, placement)
             want = _peft_blocks(judge["start"][name], name, experts, ep, r["ep_rank"])

@@ -219,15 +219,14 @@ def hf_ep_plan(model: nn.Module) -> list[str]:
             wrapping one (the plan is read through PEFT's prefixes).
 
     Returns:
-        list[str]: the experts modules' FQNs in ``model`` (a PEFT model's own FQNs), in
-        ``named_modules`` order.
+        list[str]: the experts modules' FQNs in ``model`` (a PEFT model's own FQNs; with LoRA on
+        the experts, the module inside its ``ParamWrapper`` s, which ``apply_ep`` shards with it),
+        in ``named_modules`` order.
 
     Raises:
         TypeError: if ``model`` is not an ``nn.Module``.
         ValueError: if the model declares no EP plan, a style string has no translation, no module
             matches, or a parameter of an experts module has no ``grouped_gemm`` rule.
-        NotImplementedError: LoRA on the experts themselves (PEFT's ``target_parameters``) under
-            expert parallelism, naming the wrapper (LoRA on attention or dense layers is fine).
 
     Examples:
         >>> from transformers import Qwen3MoeConfig
