@@ -41,6 +41,20 @@ StridedShard = _StridedShard
 get_shard_size_and_offsets = _get_shard_size_and_offsets
 
 
+def storage_users(t: torch.Tensor) -> int | None:
+    """How many tensors (and other holders) share ``t``'s storage, ``t`` included; ``None`` where
+    this torch does not say (``torch._C._storage_Use_Count``, private: present in torch 2.4-2.15).
+    A count of 1 means nothing but ``t`` can see its memory, so it may be written over."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    try:
+        storage = t.untyped_storage()  # a Python handle of the storage: itself one user while it lives
+        return int(count(storage._cdata)) - 1
+    except Exception:  # noqa: BLE001 - an unknown storage kind: say nothing, never reuse
+        return None
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """The local tensor of a DTensor, without ``to_local``'s autograd wrapping; ``t`` otherwise."""
     return t._local_tensor if isinstance(t, DTensor) else t

@@ -38,6 +38,7 @@ from fsdptk._core.dist import raise_problems as _raise
 from fsdptk._core.dist import world as _world
 from fsdptk._engine.agree import Status, fingerprint, guarded, hand_over
 from fsdptk._engine.layouts import Box, Layout, box_shape, layout_of, place
+from fsdptk._engine.pool import Pool
 from fsdptk._engine.routes import GatherPlan, Holdings, Transfer, bucket_transfers, plan_gather
 from fsdptk._engine.wire import DEFAULT_BUCKET_BYTES, InFlight, Post, pack, unpack
 
@@ -214,6 +215,11 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
     plan = plan_gather([tuple(t.shape) for _, t in items], [t.dtype for _, t in items], holdings, dests,
                        bucket_bytes=bucket_bytes, retained=retained, quantized=[lay.quantized for lay in layouts],
                        into_full=comm.type == "cpu")  # a receive can land in the (CPU) full tensors
+    # reused CPU memory for the full tensors and the flat buffers (not when the caller keeps every
+    # bucket: nothing would come back to it), within the peak a gather has without it: the bucket
+    # being filled (or its largest tensor) and the one the consumer still holds
+    sizes = [_nbytes(s, d) for i, (s, d) in enumerate(zip(plan.shapes, plan.dtypes)) if plan.dests[i] == rank]
+    pool = None if retained else Pool(cap=max([bucket_bytes, *sizes]) + bucket_bytes, expected=sizes)
     flight = InFlight(status.waiter)  # the previous bucket's transfers
     held: tuple[list[int], dict[int, torch.Tensor], list[tuple[Transfer, torch.Tensor]]] | None = None
     try:
@@ -229,8 +235,8 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
             received: list[tuple[Transfer, torch.Tensor]] = []
             if status.error is None:
                 try:
-                    fulls = {i: torch.empty(plan.shapes[i], dtype=plan.dtypes[i]) for i in mine}
-                    posts, received = _collect_messages(items, layouts, plan, bucket, fulls, comm, status)
+                    fulls = {i: _empty(pool, plan.shapes[i], plan.dtypes[i]) for i in mine}
+                    posts, received = _collect_messages(items, layouts, plan, bucket, fulls, comm, status, pool)
                 except Exception as exc:  # noqa: BLE001 - agreed just below
                     status.fail(exc)
             status.agree()
@@ -254,9 +260,25 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
         flight.drain_quietly()
 
 
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
+
+
+def _empty(pool: Pool | None, shape: Sequence[int], dtype: torch.dtype, device: torch.device | None = None
+           ) -> torch.Tensor:
+    """Uninitialised memory (on the CPU unless ``device`` says otherwise): from ``pool`` (reused)
+    when there is one and it is CPU memory."""
+    if pool is not None and (device is None or device.type == "cpu"):
+        return pool.take(shape, dtype)
+    return torch.empty(tuple(shape), dtype=dtype, device=device or "cpu")
+
+
 def _collect_messages(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], plan: GatherPlan,
                       bucket: list[int], fulls: dict[int, torch.Tensor], comm: torch.device, status: Status,
-                      ) -> tuple[list[Post], list[tuple[Transfer, torch.Tensor]]]:
+                      pool: Pool | None = None) -> tuple[list[Post], list[tuple[Transfer, torch.Tensor]]]:
     """This rank's messages of a bucket, as :func:`~fsdptk._engine.routes.bucket_transfers` plans
     them: what it sends (its small pieces for a destination packed into one flat buffer; a large
     dim-0 piece as it is, no copy when contiguous on ``comm``) and the memory it receives into (a
@@ -268,7 +290,7 @@ def _collect_messages(items: list[tuple[str, torch.Tensor]], layouts: list[Layou
     for t in bucket_transfers(plan, bucket, rank):
         if t.recv:
             if t.packed:
-                buf = torch.empty(t.nbytes, dtype=torch.uint8, device=comm)
+                buf = _empty(pool, (t.nbytes,), torch.uint8, comm)
                 received.append((t, buf))
             else:
                 box = plan.sends[t.peer][t.items[0]]
@@ -276,15 +298,15 @@ def _collect_messages(items: list[tuple[str, torch.Tensor]], layouts: list[Layou
                 buf = fulls[t.items[0]][box[0]]
             posts.append(Post(True, t.peer, buf))
         else:
-            posts.append(Post(False, t.peer, _collect_pack(items, layouts, t, comm, status)))
+            posts.append(Post(False, t.peer, _collect_pack(items, layouts, t, comm, status, pool)))
     return posts, received
 
 
 def _collect_pack(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], t: Transfer, comm: torch.device,
-                  status: Status) -> torch.Tensor:
+                  status: Status, pool: Pool | None = None) -> torch.Tensor:
     """A sender: the tensor of one planned message: its small pieces packed in one flat buffer, or
     its one large dim-0 piece as it is (no copy when contiguous on ``comm``)."""
-    buf = torch.empty(t.nbytes, dtype=torch.uint8, device=comm) if t.packed else None
+    buf = _empty(pool, (t.nbytes,), torch.uint8, comm) if t.packed else None
     off = 0
     for i in t.items:
         try:
