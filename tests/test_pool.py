@@ -120,3 +120,61 @@ def test_a_gather_reuses_memory_the_consumer_dropped_and_never_what_it_holds(wor
         else:
             assert all(r["kept"] == 4 for r in results), results
     assert dist.is_available()
+
+
+# ----------------------------------------------------------------------------------------------
+# weight_source(keep_buffers=True): the next pass writes into the last pass's blocks
+def _passes(keep: bool) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdptk.hf import weight_source
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    source = weight_source(model, conversion=None, keep_buffers=keep, bucket_bytes=40_000)
+
+    def expected() -> dict:
+        return {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+
+    def drain(want: dict) -> tuple[set[int], list[str]]:
+        ptrs, wrong = set(), []
+        for name, t in source.iter_full():
+            ptrs.add(t.data_ptr())
+            if not torch.equal(t, want[name]):
+                wrong.append(name)
+        return ptrs, wrong
+
+    want1 = expected()
+    kept = dict(source.iter_full())  # the consumer keeps the whole first pass
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    want2 = expected()
+    ptrs2, wrong2 = drain(want2)
+    pool = source._pool
+    blocks = {b.data_ptr() for bs in pool._blocks.values() for b in bs} if pool is not None else set()
+    ptrs3, wrong3 = drain(want2)
+    rank = dist.get_rank()
+    return {"kept_ok": all(torch.equal(kept[k], want1[k]) for k in want1) if rank == 0 else not kept,
+            "wrong": wrong2 + wrong3, "from_last_pass": len(ptrs3 & blocks & ptrs2), "n": len(ptrs3),
+            "pool": pool is not None}
+
+
+def test_keep_buffers_reuses_the_last_pass_memory_and_never_what_the_consumer_kept(world) -> None:
+    for keep in (True, False):
+        results = world(2).run(_passes, keep, timeout=120)
+        assert all(r["kept_ok"] and r["wrong"] == [] and r["pool"] == keep for r in results), (keep, results)
+        if keep:  # rank 0 owns every name: its third pass writes into blocks the second pass left
+            assert results[0]["n"] > 0 and results[0]["from_last_pass"] > 0, results
+
+
+def test_keep_buffers_must_be_a_bool() -> None:
+    import pytest
+
+    from fsdptk.hf import weight_source
+
+    with pytest.raises(TypeError, match="keep_buffers must be a bool, got 'yes'"):
+        weight_source(torch.nn.Linear(2, 2), keep_buffers="yes")  # type: ignore[arg-type]

@@ -29,18 +29,21 @@ the calling thread chose another). See ``docs/state_dict.md``. The parts:
 - :mod:`~fsdptk._engine.agree`: the metadata agreement and the per-bucket status agreement (the
   failure protocol, ``docs/failure_model.md``);
 - :mod:`~fsdptk._engine.scatter` (:func:`distribute`) and :mod:`~fsdptk._engine.gather`
-  (:func:`collect`).
+  (:func:`collect`);
+- :mod:`~fsdptk._engine.pool`: the gather's reused CPU memory (a block handed out again only once
+  nobody holds it).
 """
 
 from fsdptk._engine.agree import LoadPlan, agree, check_source, merge_checks
 from fsdptk._engine.gather import collect
 from fsdptk._engine.layouts import layout_of
+from fsdptk._engine.pool import Pool
 from fsdptk._engine.routes import Holdings, choose_senders
 from fsdptk._engine.scatter import distribute
 from fsdptk._engine.sources import ShapesSource, Source, TensorMeta
 from fsdptk._engine.wire import DEFAULT_BUCKET_BYTES
 
-__all__ = ["agree", "distribute", "collect", "Holdings", "choose_senders", "LoadPlan", "TensorMeta", "Source", "ShapesSource",
+__all__ = ["agree", "distribute", "collect", "Pool", "Holdings", "choose_senders", "LoadPlan", "TensorMeta", "Source", "ShapesSource",
            "DEFAULT_BUCKET_BYTES", "bucket_size", "check_source", "merge_checks", "layout_of"]
 
 

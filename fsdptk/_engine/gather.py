@@ -102,6 +102,7 @@ def collect(
     failed: BaseException | None = None,
     dest: Dest = None,
     arguments: ArgumentsView | None = None,
+    pool: Pool | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Turn local shards into full CPU tensors on each item's destination rank, one bucket at a time.
 
@@ -140,6 +141,9 @@ def collect(
             (:func:`fsdptk._core.arguments.arguments_view`), carried in the same exchange and
             compared first: ranks that differ get one ValueError naming each argument and every
             rank's value.
+        pool: the :class:`~fsdptk._engine.pool.Pool` to take memory from, kept by the caller
+            between calls so that a later call writes into warm memory; ``None``: one for this
+            call (none with ``retained``).
 
     Returns:
         Iterator[list[tuple[str, torch.Tensor]]]: buckets; every rank must exhaust the generator.
@@ -192,12 +196,13 @@ def collect(
     status = Status("gather")
     layouts = [v.layout for v in views if v.layout is not None]
     assert len(layouts) == len(listed), "every item is a tensor (agreed just above)"
-    yield from guarded(_collect_buckets(listed, layouts, holdings, dests, bucket_bytes, retained, status), status)
+    yield from guarded(_collect_buckets(listed, layouts, holdings, dests, bucket_bytes, retained, status, pool),
+                       status)
 
 
 def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], holdings: Holdings,
                      dests: list[int], bucket_bytes: int, retained: bool,
-                     status: Status) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                     status: Status, kept: Pool | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The data phase of :func:`collect`: per bucket, pack, agree, then move the bytes.
 
     A sender's small pieces for one destination travel packed in one flat buffer; a large dim-0
@@ -219,7 +224,10 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
     # bucket: nothing would come back to it), within the peak a gather has without it: the bucket
     # being filled (or its largest tensor) and the one the consumer still holds
     sizes = [_nbytes(s, d) for i, (s, d) in enumerate(zip(plan.shapes, plan.dtypes)) if plan.dests[i] == rank]
-    pool = None if retained else Pool(cap=max([bucket_bytes, *sizes]) + bucket_bytes, expected=sizes)
+    cap = max([bucket_bytes, *sizes]) + bucket_bytes
+    pool = None if retained else kept or Pool(cap=cap)
+    if pool is not None:
+        pool.prepare(cap, sizes)
     flight = InFlight(status.waiter)  # the previous bucket's transfers
     held: tuple[list[int], dict[int, torch.Tensor], list[tuple[Transfer, torch.Tensor]]] | None = None
     try:

@@ -61,6 +61,14 @@ class Pool:
         self._blocks: dict[int, list[torch.Tensor]] = {}
         self.reused = 0  # bytes served from reused blocks (for tests and profiles)
 
+    def prepare(self, cap: int, expected: Iterable[int] = ()) -> None:
+        """Start another call with the blocks kept from the last (a pool kept between calls:
+        ``weight_source(keep_buffers=True)``): its cap and expected sizes, free blocks over the cap
+        dropped (those no request of the call needs first)."""
+        self.cap = cap
+        self._expected = Counter(expected)
+        self._trim(0)
+
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised CPU tensor of ``shape`` and ``dtype`` (a reused block when one of exactly
         its bytes is free)."""

@@ -47,10 +47,12 @@ class HubWeightSource:
     (every rank iterates each pass to its end) and each pass reads the model's current weights.
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, layout: Layout, bucket_bytes: int, types: RecordTypes) -> None:
+    def __init__(self, model: nn.Module, plan: Plan, layout: Layout, bucket_bytes: int, types: RecordTypes,
+                 keep_buffers: bool = False) -> None:
         self._model, self._plan, self._layout = model, plan, layout
         self._bucket_bytes = bucket_bytes
         self._types = types
+        self._pool = _engine.Pool(cap=0) if keep_buffers else None  # kept between passes
 
     # -- metadata -------------------------------------------------------------------------------
     @cached_property
@@ -194,7 +196,8 @@ class HubWeightSource:
         except Exception as e:  # noqa: BLE001 - agreed by collect's exchange
             failed, items, dests = e, [], []
         buckets = cast(Generator[Bucket, None, None],
-                       _engine.collect(items, bucket_bytes=self._bucket_bytes, dest=dests, failed=failed))
+                       _engine.collect(items, bucket_bytes=self._bucket_bytes, dest=dests, failed=failed,
+                                       pool=self._pool))
         hub = _ToHub(plan)
         # no reference to a bucket is kept here once it is handed on, so the engine reuses its
         # memory for a later bucket when the consumer has dropped it (fsdptk._engine.pool)
@@ -291,6 +294,7 @@ def weight_source(
     quantize: Literal["fp8", "fp8-ue8m0", "mxfp4"] | None = None,
     block_size: tuple[int, int] = (128, 128),
     quantize_if: Callable[[str, torch.Tensor], bool] | None = None,
+    keep_buffers: bool = False,
 ) -> HubWeightSource:
     """The model's weights as vLLM 0.33's ``WeightSource``, in the Hub checkpoint's names and shapes.
 
@@ -367,6 +371,13 @@ def weight_source(
             32 are fixed).
         quantize_if: ``(Hub name, tensor) -> bool`` choosing the tensors to quantize instead of the
             default rule (the tensor is on ``meta``, of the Hub shape and dtype).
+        keep_buffers: keep the memory of a pass's full tensors between passes (on an owner: about
+            one bucket plus its largest tensor), so that the next pass writes into warm memory
+            instead of fresh pages (a pass's tensors are always taken from the pass's own reused
+            blocks; this keeps them for the next). Every yielded tensor is still the consumer's
+            until it drops it: a block a consumer (or a view of it) still holds is never written
+            over, it is replaced. ``False`` (default): the memory is returned after each pass.
+            Per rank (not agreed: it changes no message).
 
     Returns:
         HubWeightSource: the source (a subclass of vLLM's ``WeightSource`` when vLLM is importable).
@@ -374,6 +385,7 @@ def weight_source(
     Raises:
         TypeError: ``model`` is not a module, ``dtype`` is not a floating dtype, ``owners`` is not an
             int, ``"host"`` or ``"all"``, ``conversion`` is not ``"auto"`` or ``None``,
+            ``keep_buffers`` is not a bool,
             ``quantize_if`` is not callable or returns something other than a bool; on every rank.
         ValueError: ``owners`` out of ``[1, world size]``, ``bucket_bytes`` not a positive int,
             ``adapters`` not accepted, ``quantize`` not one of the formats (or with ``adapters``),
@@ -418,6 +430,8 @@ def weight_source(
     meshes: list[tuple[int, ...] | None] = []
     nbytes = 0
     try:
+        if not isinstance(keep_buffers, bool):
+            raise TypeError(f"keep_buffers must be a bool, got {keep_buffers!r}")
         nbytes = check(model, conversion, dtype, owners, bucket_bytes, adapters, quantize, block_size, quantize_if,
                        world)
         plan, items = plan_items(model, conversion=conversion, dtype=dtype, adapters=adapters, quantize=quantize,
@@ -434,8 +448,8 @@ def weight_source(
     layout = assign(plan, views, owners, rank)
     types = record_types()
     if types.base is None:
-        return HubWeightSource(model, plan, layout, nbytes, types)
+        return HubWeightSource(model, plan, layout, nbytes, types, keep_buffers)
     # an instance of vLLM's WeightSource (its __init_subclass__ checks the cached metadata)
     cls = type("HubWeightSource", (HubWeightSource, types.base),
                {"__module__": __name__, "metadata": HubWeightSource.__dict__["metadata"]})
-    return cast(HubWeightSource, cls(model, plan, layout, nbytes, types))
+    return cast(HubWeightSource, cls(model, plan, layout, nbytes, types, keep_buffers))
