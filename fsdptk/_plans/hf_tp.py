@@ -16,7 +16,9 @@ classes fsdptk adds are in :mod:`fsdptk._plans.tp_styles`):
 ``sequence_parallel`` is ``SequenceParallel``, ``replicated_with_grad_allreduce`` is
 :class:`ReplicatedPartialGrad`, ``all_reduce`` is ``PrepareModuleOutput(Partial -> Replicate)``,
 ``replicate`` needs nothing; ``moe_tp_experts`` (a Mixture-of-Experts layer's fused experts, with
-its parameters' ``packed_colwise`` / ``rowwise`` rules) is :class:`MoEExpertsTP`. Strings for
+its parameters' ``packed_colwise`` / ``rowwise`` rules) is :class:`MoEExpertsTP`, and with LoRA on
+those experts (PEFT's ``ParamWrapper`` s, ``target_parameters``) the outermost wrapper gets
+:class:`~fsdptk._plans.tp_experts_lora.MoEExpertsLoraTP` (its factors split with the experts). Strings for
 expert parallelism and MLA (``packed_rowwise``, ``moe_identity_expert``, ``grouped_gemm``,
 ``ep_dispatch_experts``, ``mla_kv_a_proj``, ``local_params``) and other rules naming a parameter
 rather than a module have no translation: :func:`fsdptk.hf.hf_tp_plan` raises a ValueError naming
@@ -48,6 +50,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from fsdptk._core.names import param_owners
+from fsdptk._plans.tp_experts_lora import MoEExpertsLoraTP, param_wrapper_chain
 from fsdptk._plans.tp_styles import (
     ColwiseKeepTied,
     GatherSequence,
@@ -61,7 +64,7 @@ from fsdptk._plans.tp_styles import (
 )
 
 __all__ = ["translate_plan", "ColwiseKeepTied", "RowwiseKeepTied", "HFAttentionHeads",
-           "ReplicatedPartialGrad", "MoEExpertsTP", "TRANSLATED", "REFUSED", "COMPOSITE"]
+           "ReplicatedPartialGrad", "MoEExpertsTP", "MoEExpertsLoraTP", "TRANSLATED", "REFUSED", "COMPOSITE"]
 
 
 # ------------------------------------------------------------------------- string -> style
@@ -285,7 +288,11 @@ def translate_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict
         modules = dict(model.named_modules())
         for fqn, style in list(styles.items()):
             tuner = _parent(fqn)
-            if fqn.endswith(".base_layer") and style is not None:
+            if not fqn.endswith(".base_layer") or style is None:
+                continue
+            if param_wrapper_chain(modules[tuner]):  # LoRA on the parameters (fused experts)
+                styles.update(_wrapper_styles(fqn, modules, style, strings[fqn]))
+            else:
                 styles.update(_adapter_styles(tuner, modules[tuner], style, strings[fqn]))
     _tie(model, strings, styles)
     return {f: style for f, _ in model.named_modules() if (style := styles.get(f)) is not None}
@@ -317,6 +324,23 @@ def _translate_tree(model: nn.Module, modules: Mapping[str, nn.Module], sequence
     if sequence_parallel:
         _sequence_parallel(model, modules, strings, styles, attn_heads)
     return strings, styles
+
+
+def _wrapper_styles(fqn: str, modules: Mapping[str, nn.Module], style: ParallelStyle, string: str
+                    ) -> dict[str, ParallelStyle]:
+    """The style of the outermost PEFT ``ParamWrapper`` around ``fqn`` (LoRA on its parameters,
+    ``target_parameters``): :class:`MoEExpertsLoraTP` for fused experts sharded with
+    ``moe_tp_experts``; any other wrapped module is refused by name."""
+    outer = fqn
+    while _parent(outer) in modules and outer.endswith(".base_layer") and param_wrapper_chain(
+            modules[_parent(outer)]):
+        outer = _parent(outer)
+    if not isinstance(style, MoEExpertsTP):
+        params = [str(w.parameter_name) for w in param_wrapper_chain(modules[outer])]
+        raise ValueError(f"PEFT ParamWrapper '{outer}' (target_parameters {params}) wraps '{fqn}', whose "
+                         f"tp_plan style is '{string}': tensor parallel on a ParamWrapper is built for "
+                         "fused experts sharded with 'moe_tp_experts' only")
+    return {outer: MoEExpertsLoraTP(style.params)}
 
 
 def _adapter_styles(fqn: str, tuner: nn.Module, style: ParallelStyle, string: str

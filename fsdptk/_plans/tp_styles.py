@@ -10,6 +10,8 @@ strings into, where torch's own classes are not enough.
 - :func:`is_norm`: the one rule for which modules are norms (sequence parallel shards them).
 - :class:`HFAttentionHeads`: checks a transformers attention module's head split before any module
   changes and, with fewer KV heads than TP ranks, sets its per-rank ``num_key_value_groups``.
+- :class:`MoEExpertsTP`: transformers' ``"moe_tp_experts"`` (LoRA on those experts:
+  :mod:`fsdptk._plans.tp_experts_lora`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement
 
+from fsdptk._core.compat import StridedShard
+
 __all__ = ["ColwiseKeepTied", "RowwiseKeepTied", "ReplicatedPartialGrad", "HFAttentionHeads",
-           "GatherSequence", "ReplicatedKVColwise", "is_norm"]
+           "GatherSequence", "ReplicatedKVColwise", "MoEExpertsTP", "is_norm"]
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -362,8 +366,6 @@ class MoEExpertsTP(ParallelStyle):
         self.params = dict(params)
 
     def placement(self, string: str) -> Placement:
-        from fsdptk._core.compat import StridedShard
-
         if string == "packed_colwise":
             return cast(Placement, StridedShard(1, split_factor=2))
         return Shard(1) if string == "colwise" else Shard(2)
@@ -425,3 +427,4 @@ class MoEExpertsTP(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"MoEExpertsTP(params={self.params})"
+

@@ -163,8 +163,13 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str
     On a PEFT model (LoRA), the base model's plan goes to each LoRA layer's ``base_layer`` and the
     adapters get the styles that keep ``W x + s B (A x)`` exact: ``lora_B`` the colwise style of a
     colwise base (``lora_A`` whole on every TP rank), ``lora_A`` the rowwise style of a rowwise
-    base (``lora_B`` whole). DoRA / other LoRA variants, other tuners and ``sequence_parallel``
-    are refused (docs/hf_2d.md, "LoRA adapters").
+    base (``lora_B`` whole). LoRA on fused MoE experts (PEFT's ``ParamWrapper``,
+    ``target_parameters``) whose experts are ``moe_tp_experts``: the outermost wrapper gets
+    :class:`~fsdptk._plans.tp_experts_lora.MoEExpertsLoraTP`, which splits each factor with its
+    experts (a ``rowwise`` weight's A ``Shard(1)``, a ``colwise`` one's B ``Shard(0)``, the others
+    whole; a ``packed_colwise`` one's B rows taken per rank for the call) and runs PEFT's forward on
+    each rank's slice. DoRA / other LoRA variants, other tuners and ``sequence_parallel`` are
+    refused (docs/hf_2d.md, "LoRA adapters").
 
     The model is only read. Call it on the unsharded model (``meta`` is fine), then
     ``apply_tp(model, mesh["tp"], plan)`` before activation checkpointing and ``shard_model``.
@@ -183,8 +188,9 @@ def hf_tp_plan(model: nn.Module, *, sequence_parallel: bool = False) -> dict[str
             message names the string and the module FQN) or targets the wrong module type; if a
             rule names a parameter rather than a module; if a tied parameter would be placed two
             ways; if ``sequence_parallel`` is asked of a plan without an embedding / output pair
-            around its blocks; on a PEFT model, if a planned layer's tuner is not plain LoRA on
-            ``nn.Linear`` (DoRA included) or ``sequence_parallel`` is asked.
+            around its blocks; on a PEFT model, if a planned layer's tuner is neither plain LoRA on
+            ``nn.Linear`` (DoRA refused) nor a ``ParamWrapper`` on ``moe_tp_experts`` experts (the
+            wrapper named), or ``sequence_parallel`` is asked.
 
     Examples:
         >>> dims = ParallelDims(dp_shard=2, tp=2)  # needs a 2x2 mesh; tests/test_hf_tp.py runs it  # doctest: +SKIP
