@@ -737,6 +737,31 @@ def test_merged_lora_on_the_experts_is_merge_and_unloads_hub_checkpoint(world, h
                 assert torch.equal(results[rank][owners]["local"][m[0]], _expected_piece(want[m[0]], m, cell)), m
 
 
+def test_merged_bf16_base_with_fp32_adapters_is_peft_own_bit_for_bit(hub, tmp_path) -> None:
+    """One process: a bf16 Qwen3-MoE whose LoRA factors PEFT keeps in float32 (its default
+    ``autocast_adapter_dtype``), on q_proj (lora.Linear: the float32 delta added in place to the bf16
+    weight) and on the experts (ParamWrapper: the delta cast to bf16, then added): the merged source
+    is ``save_pretrained`` of ``merge_and_unload()``, bit for bit, in bf16."""
+    import copy
+
+    peft = pytest.importorskip("peft")
+    from fsdptk.hf import weight_source
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(hub("qwen3_moe"), dtype=torch.bfloat16)
+    torch.manual_seed(2)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                      target_parameters=_EXPERT_LORA["qwen3_moe"],
+                                                      init_lora_weights=False))
+    factors = {t.dtype for k, t in model.state_dict().items() if "lora_" in k}
+    assert factors == {torch.float32}
+    copy.deepcopy(model).merge_and_unload().save_pretrained(tmp_path)
+    want = _tensors(tmp_path)
+    got = dict(weight_source(model, adapters="merged").iter_full())
+    assert sorted(got) == sorted(want)
+    for k, t in want.items():
+        assert t.dtype == torch.bfloat16 and got[k].dtype == t.dtype and torch.equal(got[k], t), k
+
+
 def test_merged_refuses_lora_on_experts_already_merged_naming_the_wrapper(hub) -> None:
     """One process: a ParamWrapper whose adapter is merged already (``merge_adapter()``) is refused by
     name; ``adapters="only"`` still streams the adapter."""
