@@ -2,7 +2,8 @@
 path gathers (:func:`fsdptk._files.save.save_items`, tied tensors once), their conversion to the Hub
 layout (:func:`fsdptk.conversions.quantized_layout`, transformers' rules run backwards, as
 ``save_safetensors`` writes, quantized as its ``quantize=`` does), and for PEFT models the adapter
-tensors alone or the LoRA factors to merge into their base weights.
+tensors alone or the LoRA factors to merge into their base weights (:class:`Merge`: PEFT's own
+``merge_and_unload`` arithmetic for ``lora.Linear`` and for ``ParamWrapper`` on fused experts).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ def plan_items(model: nn.Module, *, conversion: Any, dtype: torch.dtype | None, 
         TypeError: ``adapters`` given for a model without a PEFT adapter; ``quantize_if`` returned
             something other than a bool.
         ValueError: ``quantize_if`` chose a tensor the format cannot take; nothing to quantize.
-        NotImplementedError: ``adapters="merged"`` on anything but plain LoRA on linear layers.
+        NotImplementedError: ``adapters="merged"`` on anything but plain LoRA on linear layers and
+            PEFT's ``ParamWrapper`` (LoRA on a parameter, e.g. fused MoE experts), named.
         ConversionError: transformers' save layout does not convert back (as ``save_safetensors``).
     """
     from fsdptk._files.save import save_items
