@@ -20,7 +20,8 @@ import resource
 import time
 from dataclasses import dataclass
 
-__all__ = ["Snapshot", "snapshot", "peak_rss_bytes", "current_rss_bytes", "bytes_written", "file_bytes_written"]
+__all__ = ["Snapshot", "snapshot", "peak_rss_bytes", "current_rss_bytes", "bytes_written", "file_bytes_written",
+           "status_bytes", "proc_status_bytes", "reset_peak"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -81,6 +82,19 @@ def status_bytes(field: str) -> int:
     """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``, ...) in bytes; -1 if absent."""
     with open("/proc/self/status") as f:
         m = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.M)
+    return int(m.group(1)) * 1024 if m else -1
+
+
+def proc_status_bytes(pid: int, field: str) -> int:
+    """A ``kB`` field of another process's ``/proc/<pid>/status`` (``RssAnon``, ...) in bytes; -1
+    when the process is gone or has no such field. Read from outside, so sampling it costs the
+    measured process nothing."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            text = f.read()
+    except OSError:
+        return -1
+    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.M)
     return int(m.group(1)) * 1024 if m else -1
 
 
