@@ -88,8 +88,8 @@ def param_bytes(shape: dict[str, int]) -> int:
     """fp32 bytes of an untied Llama of ``shape`` (``LlamaConfig`` keys).
 
     Example:
-        >>> param_bytes(ISSUE_SHAPE) / 1e9
-        2.2856704
+        >>> round(param_bytes(ISSUE_SHAPE) / 1e9, 2)
+        2.29
     """
     h, i, v, n = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"], shape["num_hidden_layers"]
     kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
@@ -177,7 +177,7 @@ def run_values(rec: dict[str, Any]) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for field in _FIELDS:
         xs = [r.get(field) for r in ranks]
-        out[field] = float(max(xs)) if xs and all(x is not None for x in xs) else None  # type: ignore[type-var]
+        out[field] = float(max(xs)) if xs and all(x is not None for x in xs) else None
     return out
 
 
@@ -354,7 +354,7 @@ def _launch(spec: dict[str, Any], world: int, out: Path, args: argparse.Namespac
     port = free_port()
     procs, logs = [], []
     for rank in range(world):
-        logs.append(open(out / f"rank{rank}.log", "w"))
+        logs.append(open(out / f"rank{rank}.log", "w"))  # noqa: SIM115 - closed below
         procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.hf_probe", "--worker", str(spec_path)],
                                       cwd=REPO, env=_child_env(args, world, rank, port), stdout=logs[-1],
                                       stderr=subprocess.STDOUT, start_new_session=True))
@@ -384,7 +384,7 @@ def _launch(spec: dict[str, Any], world: int, out: Path, args: argparse.Namespac
     ranks, errors = [], []
     for rank in range(world):
         f = out / f"rank{rank}.json"
-        r = json.loads(f.read_text()) if f.is_file() else {"rank": rank, "error": "no result"}
+        r: dict[str, Any] = json.loads(f.read_text()) if f.is_file() else {"rank": rank, "error": "no result"}
         if r.get("error"):
             errors.append(f"rank {rank}: {r['error']}")
         elif args.sample_ms > 0:

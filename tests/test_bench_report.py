@@ -216,3 +216,87 @@ def test_quant_save_methods_start_alike_and_fp8_writes_fewer_bytes(tmp_path):
     table = render({"model": "llama", "dtype": "float32", "repeats": 1,
                     "cells": [{"world": 1, "writers": 1, "runs": runs}]})
     assert "| fsdptk fp8 |" in table and "| save_file (fp8 bytes) |" in table
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m benchmarks hf-probe (issue 44): the issue's harness as a mode of its own
+def test_hf_probe_spread_and_ratios_pair_runs_by_repeat():
+    """Median and range of single runs (judged by :mod:`statistics`), per-run ratios paired by
+    repeat (a repeat one method lacks is left out, never paired with another repeat), and the
+    per-cell summary of both, failed runs listed and left out of the figures."""
+    import random
+    import statistics as st
+
+    from benchmarks.hf_probe import CellStats, pair_ratios, render, spread, summarize
+
+    rng = random.Random(0)
+    for n in (1, 2, 3, 4, 7):
+        xs = [rng.uniform(0.1, 5) for _ in range(n)]
+        assert spread(xs + [None]) == CellStats(st.median(xs), min(xs), max(xs), n)
+    assert spread([None, None]) is None
+    assert CellStats(0.82, 0.62, 1.1, 3).text("{:.2f}", "x") == "0.82x (0.62-1.10x)"
+    assert pair_ratios({0: 1.0, 1: 3.0, 2: 2.0}, {0: 2.0, 2: 4.0, 3: 1.0}) == [0.5, 0.5]
+    assert pair_ratios({0: 1.0, 1: None}, {0: 0.0, 1: 2.0}) == []  # no ratio over a zero or a missing value
+
+    times = {("transformers", 0): 2.0, ("fsdptk", 0): 1.0, ("transformers", 1): 1.0, ("fsdptk", 1): 1.1,
+             ("transformers", 2): 4.0, ("fsdptk", 2): 2.4}
+    records = [{"mesh": "fsdp", "world": 2, "repeat": r, "method": m, "status": "ok",
+                "ranks": [{"load_s": t, "peak_anon": 100 + r, "anon_after": 90},
+                          {"load_s": t / 2, "peak_anon": 50, "anon_after": 50}]}
+               for (m, r), t in times.items()]
+    records.append({"mesh": "fsdp", "world": 2, "repeat": 3, "method": "fsdptk", "status": "timeout",
+                    "error": "killed", "ranks": []})
+    cell = summarize(records)[("fsdp", 2)]
+    per_run = [times[("fsdptk", r)] / times[("transformers", r)] for r in range(3)]
+    assert cell["ratio"]["load_s"] == CellStats(st.median(per_run), min(per_run), max(per_run), 3)
+    assert cell["ratio_of_medians"]["load_s"] == st.median([1.0, 1.1, 2.4]) / st.median([2.0, 1.0, 4.0])
+    assert cell["stats"]["transformers"]["peak_anon"] == CellStats(101, 100, 102, 3)  # the largest rank's
+    assert cell["ratio"]["save_s"] is None and cell["failed"] == ["fsdptk r3: timeout: killed"]
+    table = render({"records": records, "meta": {}})
+    assert "| fsdp | 2 | **ratio** | 0.60x (0.50-1.10x) [0.55x] |" in table
+
+
+def test_hf_probe_arguments_and_model_shape():
+    """The probe's defaults are the issue's harness (glibc's default malloc, no collection before
+    the clock, the barrier inside it, the issue's imports); its model's fp32 bytes are what
+    transformers builds for that config (on meta), 2.29 GB for the issue's hidden 2048 x 10
+    layers; ``--size`` takes ``python -m benchmarks hf``'s shape; each rank's environment carries
+    exactly the allocator setting asked for."""
+    pytest.importorskip("transformers")
+    import torch
+    import transformers
+
+    from benchmarks.hf_peer import llama_config
+    from benchmarks.hf_probe import _child_env, param_bytes, parse_args, shape_of
+
+    args = parse_args([])
+    assert (args.malloc, args.gc, args.clock, args.imports, args.order, args.threads, args.worlds, args.meshes) == (
+        "default", "none", "barrier", "issue", "alternate", "1", [2], ["fsdp"])
+    args = parse_args(["--worlds", "2", "4", "--meshes", "fsdp", "fsdp-tp2", "--repeats", "5", "--malloc",
+                       "mmap65536", "--gc", "collect", "--clock", "rank", "--save", "--layers", "3"])
+    assert (args.worlds, args.meshes, args.repeats, args.malloc, args.gc, args.clock, args.save) == (
+        [2, 4], ["fsdp", "fsdp-tp2"], 5, "mmap65536", "collect", "rank", True)
+    with pytest.raises(SystemExit):
+        parse_args(["--malloc", "jemalloc"])
+    with pytest.raises(SystemExit):
+        parse_args(["--size", "2", "--hidden", "512"])
+    for argv in ([], ["--layers", "3", "--hidden", "512", "--heads", "8", "--kv-heads", "2", "--vocab", "1000"]):
+        shape = shape_of(parse_args(argv))
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**shape))
+        assert param_bytes(shape) == 4 * sum(p.numel() for p in model.parameters())
+    assert round(param_bytes(shape_of(parse_args([]))) / 1e9, 2) == 2.29
+    assert shape_of(parse_args(["--size", "2"])) == llama_config(2.0)
+
+    inherited = {"MALLOC_MMAP_THRESHOLD_": "1", "MALLOC_ARENA_MAX": "2"}
+    old = {k: __import__("os").environ.get(k) for k in inherited}
+    __import__("os").environ.update(inherited)
+    try:
+        plain = _child_env(parse_args([]), 2, 1, 1234)
+        mapped = _child_env(parse_args(["--malloc", "mmap65536"]), 2, 1, 1234)
+    finally:
+        for k, v in old.items():
+            __import__("os").environ.pop(k) if v is None else __import__("os").environ.__setitem__(k, v)
+    assert not any(k.startswith("MALLOC_") for k in plain)
+    assert {k: v for k, v in mapped.items() if k.startswith("MALLOC_")} == {"MALLOC_MMAP_THRESHOLD_": "65536"}
+    assert (plain["RANK"], plain["WORLD_SIZE"], plain["OMP_NUM_THREADS"]) == ("1", "2", "1")
