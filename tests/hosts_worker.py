@@ -18,7 +18,7 @@ the Hugging Face model of ``hf_ckpt``: ``transformers`` (``from_pretrained(distr
 ``save_pretrained``) and ``fsdptk-hf`` (``fsdptk.hf.from_pretrained``, ``save_safetensors``). A
 method skips the scenarios it has no call for. Spec keys: ``layers``, ``dim``, ``dtype``,
 ``meshes`` (``fsdp``, ``hsdp``), ``scenarios`` (``noop``, ``load``, ``shard_on_read``, ``gather``,
-``save``, ``save_host`` (one writer per host), ``optim_load``, ``optim_gather``, ``kill_load``), ``methods``, ``repeats``, ``ckpt`` (a
+``save``, ``save_host`` (one writer per host), ``stream_host`` (a weight source, one owner per host), ``optim_load``, ``optim_gather``, ``kill_load``), ``methods``, ``repeats``, ``ckpt`` (a
 directory with ``{host}`` in it: each host's own copy), ``out_dir``; for the HF methods
 ``hf_ckpt`` (likewise per host) and ``hf_ref`` (a ``torch.save`` file: ``input_ids`` and the
 single-process ``logits``).
@@ -424,6 +424,31 @@ class Steps:
         """``save_safetensors(writers="host")``: one writer per host, each gathering and writing
         about 1/H of the files (fsdptk only)."""
         return self.setup_save(writers="host") if self.method == "fsdptk" else None
+
+    def setup_stream_host(self):
+        """``fsdptk.hf.weight_source(owners="host")``: the first rank of each host owns about 1/H of
+        the tensors and streams them whole (``iter_full``), each gathered to its owner only, as the
+        save with one writer per host gathers (fsdptk only)."""
+        if self.method != "fsdptk":
+            return None
+        from fsdptk.hf import weight_source
+
+        model = self.loaded_model()
+        source = weight_source(model, conversion=None, owners="host")
+        world, local = dist.get_world_size(), int(os.environ["LOCAL_RANK"])
+
+        def run():
+            got = dict(source.iter_full())
+            mine = source.owned_names(self.rank)
+            owners = {r for r in range(world) if source.owned_names(r)}
+            if sorted(got) != sorted(mine):
+                return f"rank {self.rank} yielded {sorted(got)[:3]} but owns {sorted(mine)[:3]}"
+            if (local == 0) != bool(mine) or len(owners) != world // int(os.environ["LOCAL_WORLD_SIZE"]):
+                return f"owners are ranks {sorted(owners)}: not the first rank of each host"
+            if sorted(n for r in owners for n in source.owned_names(r)) != sorted(self.ref):
+                return "the owners' names are not every tensor once"
+            return check_full(got, {k: self.ref[k] for k in mine})
+        return run
 
     def setup_save(self, writers: int | str = 1):
         model = self.loaded_model()
