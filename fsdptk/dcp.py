@@ -47,6 +47,7 @@ from fsdptk._files.pending import wait_for_pending
 from fsdptk._files.safe_pickle import safe_load_planner, safe_reader
 from fsdptk._files.safetensors_io import SafetensorsCheckpoint, parse_size
 from fsdptk._files.safetensors_writer import ShardedWriter
+from fsdptk._plans.peft_wrappers import dcp_factor_views, restore_factors
 from fsdptk.conversions import resolve_load, resolve_save
 from fsdptk.errors import ConversionError, StateDictMismatchError
 
@@ -250,6 +251,7 @@ def dcp_state(model: nn.Module, path: PathLike, optimizer: torch.optim.Optimizer
     # local steps between collectives: a failure on one rank is raised on every rank
     state: dict[str, Any] = run_agreed(lambda: _take_state(model, optimizer, get_state_dict,
                                                            get_model_state_dict))
+    run_agreed(lambda: dcp_factor_views(model, state))  # LoRA B on experts: (out, r, E), one box a rank
     if extra is not None:
         state["extra"] = run_agreed(lambda: _extra_blob(extra))
     return path, state
@@ -373,10 +375,13 @@ def load_dcp(
                                                            get_model_state_dict))
     if strict:
         run_agreed(lambda: _check_model_keys(model, state["model"], keys))
+    # LoRA B on experts read as (out, r, E) views of the model's own storage, then put back
+    replaced = run_agreed(lambda: dcp_factor_views(model, state, keys))
     if "extra" in keys:
         state["extra"] = io.BytesIO()
     _quiet_dcp(dcp.load, state, storage_reader=safe_reader(path),
                planner=safe_load_planner(allow_partial_load=not strict), **_dist_kwargs())
+    restore_factors(state, replaced)
     if optimizer is not None:
         run_agreed(lambda: set_state_dict(model, optimizer, model_state_dict=state["model"],
                                           optim_state_dict=state["optim"], options=options))

@@ -73,7 +73,8 @@ def _judge(src: str, tmp_path_factory, family: str, world_size: int) -> dict:
 
 
 def _ep_model(src: str, dims: dict, lora=None):
-    """On every rank: meta build -> get_peft_model -> hf_ep_plan -> apply_ep -> shard_model -> base."""
+    """On every rank: meta build -> get_peft_model -> hf_ep_plan -> apply_ep -> shard_model -> base
+    (``ep`` 1: no apply_ep, the experts FSDP-sharded with the rest)."""
     from fsdptk import ParallelDims, apply_ep, load_safetensors, shard_model
     from fsdptk.hf import hf_ep_plan, no_split_modules
 
@@ -83,10 +84,11 @@ def _ep_model(src: str, dims: dict, lora=None):
     model = peft.get_peft_model(base, lora or _lora())
     pd = ParallelDims(**dims)
     pd.build_mesh("cpu")
-    experts = hf_ep_plan(model)
-    apply_ep(model, pd.ep_mesh, experts)
+    experts = hf_ep_plan(model) if pd.ep > 1 else []  # ep=1: FSDP (or HSDP) only
+    if experts:
+        apply_ep(model, pd.ep_mesh, experts)
     shard_model(model, no_split_modules(model), cpu_offload=False, dp_mesh=pd.fsdp_mesh,
-                expert_dp_mesh=pd.expert_fsdp_mesh)
+                expert_dp_mesh=pd.expert_fsdp_mesh if experts else None)
     res = load_safetensors(model, src, strict=True)
     return model, pd, experts, (res.missing_keys, res.unexpected_keys)
 
@@ -318,3 +320,103 @@ def test_what_is_not_built_is_refused_by_name_before_anything_changes(world, cas
             assert "ParamWrapper 'base_model.model.model.layers.0.mlp.experts'" in msg, msg
         else:
             assert "needs at least 2 experts per rank: ep (2) leaves 1 of the 2 experts" in msg, msg
+
+
+# ----------------------------------------------------------------------------------------------
+# DCP across EP degrees, written in the background (issue 43 item 3: "background save, DCP across EP
+# degrees"). torch 2.13's DCP cannot place B's strided expert blocks (it plans one box per rank:
+# "overlapping chunks"); fsdptk hands DCP the (out, r, E) view of every experts B factor.
+_DCP_FROM = {"dp_shard": 4, "ep": 2}
+_DCP_TO = {"ep4": {"dp_shard": 4, "ep": 4}, "ep1": {"dp_shard": 4}}
+
+
+def _dcp_across(src: str, init: str, ck: str, old: str) -> dict:
+    """On every rank: one step at ep=2, save_dcp_async, a second step while it writes; load_dcp into
+    the model built at ep=4 and at ep=1; a checkpoint holding B 2-D (torch's own dcp.save of the ep=1
+    model) loaded at ep=4."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from fsdptk import gather_cpu_state_dict, get_full_optimizer_state_dict, load_dcp, save_dcp_async
+    from fsdptk.hf import load_adapter
+
+    rank = dist.get_rank()
+    batch = _batch()
+    rows = batch.chunk(dist.get_world_size())[rank]
+    model, _, _, _ = _ep_model(src, _DCP_FROM)
+    load_adapter(model, init)
+    opt = _sgd(model)
+    model(input_ids=rows, labels=rows).loss.backward()
+    opt.step()
+    opt.zero_grad()
+    saved = gather_cpu_state_dict(model, rank == 0, adapter_weights_only=True)
+    pending = save_dcp_async(model, ck, opt, extra={"step": 1})
+    model(input_ids=rows, labels=rows).loss.backward()  # the snapshot is taken: a second step
+    opt.step()
+    pending.wait()
+    out: dict = {"saved": saved}
+    for name, dims in _DCP_TO.items():
+        again, _, _, _ = _ep_model(src, dims)
+        load_adapter(again, init)  # values to be overwritten: the adapters off meta
+        opt2 = _sgd(again)
+        extra = load_dcp(again, ck, opt2)
+        with torch.no_grad():
+            logits = again(input_ids=batch).logits
+        out[name] = {"extra": extra, "logits": logits,
+                     "adapters": gather_cpu_state_dict(again, rank == 0, adapter_weights_only=True),
+                     "osd": get_full_optimizer_state_dict(again, opt2, rank == 0)}
+        out[name]["model"] = again
+    # a checkpoint with B (out, r * E) 2-D, as torch's dcp.save writes the ep=1 model: refused at ep=4
+    dcp.save({"model": get_model_state_dict(out["ep1"].pop("model"))}, checkpoint_id=old)
+    ep4 = out["ep4"].pop("model")
+    try:
+        load_dcp(ep4, old)
+        out["old"] = ("", "")
+    except ValueError as e:
+        out["old"] = (type(e).__name__, str(e))
+    with torch.no_grad():
+        out["unchanged"] = torch.equal(ep4(input_ids=batch).logits, out["ep4"]["logits"])
+    return out
+
+
+def test_dcp_across_ep_degrees_from_a_background_save_gives_pefts_step(world, tmp_path_factory) -> None:
+    from safetensors.torch import load_file
+
+    from fsdptk import dcp_to_safetensors
+
+    src = str(build_reference(tmp_path_factory, "qwen3_moe")["src"])
+    judge = _judge(src, tmp_path_factory, "qwen3_moe", 4)
+    root = tmp_path_factory.mktemp("ep_dcp")
+    results = world(4).run(_dcp_across, src, judge["init"], str(root / "step_1"), str(root / "old"),
+                           timeout=300)
+    saved = results[0]["saved"]
+    b_keys = [k for k in judge["adapters"] if ".experts" in k and ".lora_B." in k]
+    assert len(b_keys) == 4, b_keys
+    for name in _DCP_TO:
+        for rank, r in enumerate(results):
+            assert r[name]["extra"] == {"step": 1}, (name, rank)
+            # the step saved, not the second one taken while the save ran: PEFT's logits after one step
+            torch.testing.assert_close(r[name]["logits"], judge["trained"], rtol=1e-4, atol=1e-5)
+        ours, osd = results[0][name]["adapters"], results[0][name]["osd"]["state"]
+        assert sorted(ours) == sorted(judge["adapters"]) == sorted(saved)
+        for k, want in judge["adapters"].items():
+            assert torch.equal(ours[k], saved[k]), (name, k)  # what ep=2 held, bit for bit
+            torch.testing.assert_close(ours[k], want, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+        assert sorted(osd) == sorted(judge["grads"])
+        for k, g in judge["grads"].items():  # momentum after one step: PEFT's whole-batch gradient
+            torch.testing.assert_close(osd[k]["momentum_buffer"], g, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, k=k, name=name: f"{name} {k}: {m}")
+    # the checkpoint holds each experts B factor as (out, r, E): PEFT's B reshaped, nothing else
+    files = load_file(dcp_to_safetensors(root / "step_1", root / "as_safetensors"))
+    for k in b_keys:
+        b = saved[k]
+        assert torch.equal(files[k], b.reshape(b.shape[0], 4, -1)), k
+    a = next(k for k in judge["adapters"] if ".experts" in k and ".lora_A." in k)
+    assert torch.equal(files[a], saved[a]), a
+    for rank, r in enumerate(results):
+        kind, msg = r["old"]
+        assert kind == "ValueError" and r["unchanged"], (rank, kind, msg)
+        assert "LoRA factor 'base_model.model.model.layers.0.mlp.experts.lora_B.default.weight' " \
+               "is held (out, r * E) = [64, 32] in the checkpoint" in msg, msg
+        assert "_StridedShard(dim=1" in msg and "load it into a model without expert parallelism" in msg, msg

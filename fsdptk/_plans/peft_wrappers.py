@@ -14,22 +14,34 @@ B over the ``ep`` mesh (torch's placement: the columns cut into ``r`` groups of 
 and ``(out, r * L)``. So the forward runs PEFT's own code on local tensors with the wrapper's
 ``num_experts`` set to ``L`` for the call; nothing mixes Tensor and DTensor, and the engine gathers,
 saves and loads the factors through DTensor's own placement math like any other DTensor.
+
+Design note (DCP). torch 2.13's DCP describes a DTensor's local data as one box per rank, computed
+as if every placement were a plain ``Shard``; the ``ep`` block of B is ``r`` column ranges, not one,
+so DCP plans overlapping boxes and refuses the save ("Failed to validate global plan: ... overlapping
+chunks"), and on load would read the wrong columns. :func:`dcp_factor_views` hands DCP every experts
+B factor (and its optimizer state) as the 3-D view ``(out, r, E)`` of the same bytes, where each
+rank's block is one box: ``_StridedShard(1, r)`` becomes ``Shard(2)``, a dim-0 shard stays. The view
+shares the parameter's storage, so DCP's load writes into the model in place. A checkpoint then
+holds these factors as ``(out, r, E)`` whatever the EP degree it was saved at, and loads at any
+other (ep=1 included).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdptk._core.compat import StridedShard
 from fsdptk._plans.ep_styles import local_view
 from fsdptk._plans.peft import peft_configs
 
-__all__ = ["check_ep_factors", "ep_lora_order", "ep_lora_tp", "local_factors", "param_wrapped",
-           "read_not_called", "shard_ep_factors", "wrapper_chains"]
+__all__ = ["check_ep_factors", "dcp_factor_views", "ep_lora_order", "ep_lora_tp", "experts_b_factors",
+           "local_factors", "param_wrapped", "read_not_called", "restore_factors", "shard_ep_factors",
+           "wrapper_chains"]
 
 
 def read_not_called(model: nn.Module) -> dict[int, tuple[str, str]]:
@@ -198,3 +210,108 @@ def ep_lora_tp(wrapper: str, params: list[str], experts: str) -> str:
             f"built: PEFT's ParamWrapper '{wrapper}' (target_parameters {params}) wraps experts "
             f"module '{experts}'. Use tp=1 with ep > 1 (FSDP x EP, HSDP x EP), or ep=1 with FSDP x TP")
 
+
+
+def experts_b_factors(model: nn.Module) -> dict[str, int]:
+    """``{fqn of the weight: r}`` of every LoRA B factor of a PEFT ``ParamWrapper`` on an experts
+    module (read strided per expert by PEFT). Empty for a model without such wrappers."""
+    out: dict[str, int] = {}
+    for chain in wrapper_chains(model).values():
+        for fqn, wrapper in chain:
+            if getattr(wrapper, "num_experts", None) in (None, 1):  # a 2-D parameter: B read as is
+                continue
+            w: Any = wrapper
+            for adapter in w.lora_B:
+                out[f"{fqn}.lora_B.{adapter}.weight"] = int(w.r[adapter])
+    return out
+
+
+def _experts_view(t: torch.Tensor, r: int, key: str) -> torch.Tensor:
+    """The ``(out, r, E)`` view of a B factor ``(out, r * E)`` (a DTensor: its local tensor viewed,
+    ``_StridedShard(1, r)`` -> ``Shard(2)``), sharing ``t``'s storage."""
+    if t.dim() != 2 or t.shape[1] % r:
+        raise ValueError(f"LoRA factor '{key}' has shape {list(t.shape)}: a DCP checkpoint holds "
+                         f"an experts B factor as (out, r, E), which needs (out, r * E) with r={r}")
+    if not isinstance(t, DTensor):
+        return t.view(t.shape[0], r, t.shape[1] // r)
+    placements: list[Any] = []
+    for p in t.placements:
+        if isinstance(p, StridedShard) and p.dim == 1 and p.split_factor == r:
+            placements.append(Shard(2))
+        elif isinstance(p, Replicate) or (isinstance(p, Shard) and not isinstance(p, StridedShard)
+                                          and p.dim == 0):
+            placements.append(p)
+        else:
+            raise ValueError(f"LoRA factor '{key}' is sharded as {t.placements}: DCP can save an "
+                             f"experts B factor (out, r * E) sharded on dim 0 and by expert "
+                             f"(_StridedShard(dim=1, split_factor={r})) only")
+    with torch.no_grad():
+        local = t.to_local()
+        view = local.view(local.shape[0], r, local.shape[1] // r)
+        shape = torch.Size([t.shape[0], r, t.shape[1] // r])
+        return DTensor.from_local(view, t.device_mesh, placements, run_check=False, shape=shape,
+                                  stride=(shape[1] * shape[2], shape[2], 1))
+
+
+def dcp_factor_views(model: nn.Module, state: dict[str, Any],
+                     saved: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Put the ``(out, r, E)`` view (see the DCP design note) of every experts B factor, and of its
+    optimizer state tensors, into ``state`` (DCP's ``{"model": ..., "optim": ...}``), in new
+    containers: the dicts ``state`` held, which may be the optimizer's own, are not changed.
+
+    Args:
+        model: the model whose state it is.
+        state: ``{"model": model state, "optim": optimizer state}`` (``optim`` optional), keyed by FQN.
+        saved: on load, the checkpoint's metadata (``{"model.<fqn>": metadata}``): a factor the
+            checkpoint holds 2-D (written before this layout) is left 2-D where DCP reads it right
+            (no expert placement); with one, a ValueError names it.
+
+    Returns:
+        dict: what was replaced, ``{(part, fqn, name): the original tensor}``, so the caller can put
+        the originals back after DCP's load (the views share their storage).
+
+    Raises:
+        ValueError: a factor sharded another way, or an old 2-D checkpoint entry for a factor
+            sharded by expert (names the factor and both shapes).
+    """
+    factors = experts_b_factors(model)
+    replaced: dict[Any, Any] = {}
+    if not factors:
+        return replaced
+    # new containers: DCP's state dicts may share their per-parameter dicts with the live optimizer
+    msd = state["model"] = dict(state["model"])
+    osd: dict[str, Any] = {}
+    if "optim" in state:
+        state["optim"] = dict(state["optim"])
+        osd = state["optim"]["state"] = dict(state["optim"].get("state", {}))
+    for fqn, r in factors.items():
+        t = msd.get(fqn)
+        if t is None:
+            continue
+        old = saved.get(f"model.{fqn}") if saved is not None else None
+        if old is not None and len(getattr(old, "size", ())) == 2:
+            if isinstance(t, DTensor) and any(isinstance(p, StridedShard) for p in t.placements):
+                raise ValueError(
+                    f"LoRA factor '{fqn}' is held (out, r * E) = {list(old.size)} in the checkpoint "
+                    f"(written before experts B factors were saved as (out, r, E)), and this model "
+                    f"shards it by expert ({t.placements}), whose columns DCP cannot read from a "
+                    "2-D entry: load it into a model without expert parallelism and save it again")
+            continue
+        replaced[("model", fqn, None)] = t
+        msd[fqn] = _experts_view(t, r, fqn)
+        if fqn in osd:
+            osd[fqn] = dict(osd[fqn])
+        for name, v in list(osd.get(fqn, {}).items()):
+            if isinstance(v, torch.Tensor) and v.shape == t.shape:
+                replaced[("optim", fqn, name)] = v
+                osd[fqn][name] = _experts_view(v, r, f"{fqn} (optimizer state {name!r})")
+    return replaced
+
+
+def restore_factors(state: dict[str, Any], replaced: dict[Any, Any]) -> None:
+    """Put back into ``state`` the originals :func:`dcp_factor_views` replaced."""
+    for (part, fqn, name), t in replaced.items():
+        if part == "model":
+            state["model"][fqn] = t
+        else:
+            state["optim"]["state"][fqn][name] = t
