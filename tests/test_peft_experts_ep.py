@@ -420,3 +420,74 @@ def test_dcp_across_ep_degrees_from_a_background_save_gives_pefts_step(world, tm
         assert "LoRA factor 'base_model.model.model.layers.0.mlp.experts.lora_B.default.weight' " \
                "is held (out, r * E) = [64, 32] in the checkpoint" in msg, msg
         assert "_StridedShard(dim=1" in msg and "load it into a model without expert parallelism" in msg, msg
+
+
+# ----------------------------------------------------------------------------------------------
+# Fresh adapters under EP (issue 43 item 2 with item 3's EP): init_adapters on the EP model gives
+# PEFT's own initialisation from the seed, every rank's seed and RNG state notwithstanding.
+_FRESH_SEED = 5
+
+
+def _fresh_lora():
+    # init_lora_weights=False: A and B both random (PEFT's init_lora_weights=False draw), so B's
+    # strided expert blocks carry values from the start
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=_EXPERTS,
+                           init_lora_weights=False)
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def _fresh_ep(src: str, dims: dict) -> dict:
+    """On every rank: the EP composition, init_adapters with every rank's generator seeded
+    differently, one SGD step on this rank's rows."""
+    import torch.distributed as dist
+
+    from fsdptk.hf import init_adapters
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model, _, _, _ = _ep_model(src, dims, _fresh_lora())
+    torch.manual_seed(1000 + rank)  # a rank whose seed differs makes no difference
+    keys = init_adapters(model, seed=_FRESH_SEED)
+    attached = _full(model)
+    placements = {n: _ep_placement(p) for n, p in _factors(model).items()}
+    batch = _batch()
+    rows = batch.chunk(world)[rank]
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=_LR)
+    model(input_ids=rows, labels=rows).loss.backward()
+    opt.step()
+    with torch.no_grad():
+        whole = model(input_ids=batch, labels=batch).loss.item()
+    return {"keys": keys, "attached": attached, "placements": placements, "stepped": _full(model),
+            "whole": whole}
+
+
+def test_fresh_adapters_under_ep_are_pefts_init_on_every_rank_before_and_after_a_step(
+        world, tmp_path_factory) -> None:
+    src = str(build_reference(tmp_path_factory, "qwen3_moe")["src"])
+    base = transformers.AutoModelForCausalLM.from_pretrained(src)
+    torch.manual_seed(_FRESH_SEED)
+    judge = peft.get_peft_model(base, _fresh_lora())
+    attached = {n: p.detach().clone() for n, p in judge.named_parameters() if "lora_" in n}
+    batch = _batch()
+    opt = torch.optim.SGD([p for p in judge.parameters() if p.requires_grad], lr=_LR)
+    judge(input_ids=batch, labels=batch).loss.backward()
+    opt.step()
+    with torch.no_grad():
+        whole = judge(input_ids=batch, labels=batch).loss.item()
+    stepped = {n: p.detach().clone() for n, p in judge.named_parameters() if "lora_" in n}
+    results = world(2).run(_fresh_ep, src, {"dp_shard": 2, "ep": 2}, timeout=180)
+    for rank, r in enumerate(results):
+        assert sorted(r["keys"]) == sorted(attached), rank
+        assert len(r["placements"]) == 8 and all(
+            pl == (("Shard", 0, None) if ".lora_A." in n else ("_StridedShard", 1, 4))
+            for n, pl in r["placements"].items()), r["placements"]
+        for k, want in attached.items():
+            assert torch.equal(r["attached"][k], want), (rank, k)  # PEFT's init, bit for bit
+            torch.testing.assert_close(r["stepped"][k], stepped[k], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, k=k, rank=rank: f"rank {rank} {k}: {m}")
+            assert torch.equal(r["stepped"][k], results[0]["stepped"][k]), (rank, k)
+        assert abs(r["whole"] - whole) < 1e-5, (rank, r["whole"], whole)
+    moved = [k for k, v in stepped.items() if not torch.equal(v, attached[k])]
+    assert any(".experts" in k and ".lora_B." in k for k in moved), moved

@@ -238,8 +238,7 @@ def _experts_view(t: torch.Tensor, r: int, key: str) -> torch.Tensor:
     for p in t.placements:
         if isinstance(p, StridedShard) and p.dim == 1 and p.split_factor == r:
             placements.append(Shard(2))
-        elif isinstance(p, Replicate) or (isinstance(p, Shard) and not isinstance(p, StridedShard)
-                                          and p.dim == 0):
+        elif isinstance(p, Replicate) or (isinstance(p, (Shard, StridedShard)) and p.dim == 0):  # rows
             placements.append(p)
         else:
             raise ValueError(f"LoRA factor '{key}' is sharded as {t.placements}: DCP can save an "
