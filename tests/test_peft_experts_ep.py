@@ -1,8 +1,10 @@
 """LoRA on the fused MoE experts (PEFT 0.21's ``target_parameters``) under expert parallelism (issue
 43, item 3's EP part), PEFT and transformers single-process as the judge.
 
-Qwen3-MoE at 2 ranks (``dp_shard=2, ep=2``: each rank 4 of the 8 experts, efsdp 1) and Mixtral at 4
-(``dp_shard=4, ep=2``: 4 experts per rank, FSDP-sharded over efsdp 2), tiny configs written by
+Qwen3-MoE at 2 ranks (``dp_shard=2, ep=2``: each rank 4 of the 8 experts, efsdp 1), Mixtral at 4
+(``dp_shard=4, ep=2``: 4 experts per rank, FSDP-sharded over efsdp 2) and HSDP x EP, Qwen3-MoE at 4
+(``dp_replicate=2, dp_shard=2, ep=2``: the experts and their factors replicated over the two
+replicas), tiny configs written by
 ``save_pretrained``: meta build -> ``get_peft_model`` (LoRA on ``q_proj`` and on
 ``mlp.experts.gate_up_proj`` / ``down_proj``) -> ``hf_ep_plan`` -> ``apply_ep`` -> ``shard_model`` ->
 Hub-layout base load -> ``load_adapter`` of the adapter PEFT saved in one process ->
@@ -21,7 +23,14 @@ Hub-layout base load -> ``load_adapter`` of the adapter PEFT saved in one proces
 - a bad experts adapter (another expert count, another ``r``) is one ValueError on every rank
   naming the key and both shapes, the adapters left on ``meta``;
 - what is still not built is refused by name: EP x TP with LoRA on the experts, one expert per
-  rank, and PEFT wrapping an experts module after ``apply_ep``.
+  rank, and PEFT wrapping an experts module after ``apply_ep``;
+- DCP across EP degrees from a background save (Qwen3-MoE, 4 ranks): one step at ``ep=2``,
+  ``save_dcp_async``, a second step while it writes, ``load_dcp`` into the model built at ``ep=4``
+  and at ``ep=1`` (FSDP only): adapters (gathered), optimizer state by FQN and logits are PEFT's
+  after one whole-batch step; the checkpoint holds each experts B factor as PEFT's B reshaped to
+  ``(out, r, E)``; a checkpoint holding B 2-D is refused by name at ``ep=4``;
+- fresh adapters: ``init_adapters`` at ``ep=2``, every rank seeded differently, gives PEFT's own
+  initialisation from the seed (bit for bit) and PEFT's adapters after one step.
 """
 
 from __future__ import annotations
@@ -38,8 +47,11 @@ from tests.test_hf_moe import build_reference  # noqa: E402 - after the skips
 from tests.test_peft_experts import _EXPERTS, _batch, _lora  # noqa: E402
 
 _LR = 0.5
-# family -> (world size, ParallelDims kwargs)
-CASES = {"qwen3_moe": (2, {"dp_shard": 2, "ep": 2}), "mixtral": (4, {"dp_shard": 4, "ep": 2})}
+# case -> (family, world size, ParallelDims kwargs)
+CASES = {"qwen3_moe": ("qwen3_moe", 2, {"dp_shard": 2, "ep": 2}),
+         "mixtral": ("mixtral", 4, {"dp_shard": 4, "ep": 2}),
+         # HSDP x EP: 2 replicas of (dp_shard 2 = ep 2, efsdp 1), the experts replicated over dp_replicate
+         "qwen3_moe_hsdp": ("qwen3_moe", 4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2})}
 
 
 def _sgd(model):
@@ -175,17 +187,18 @@ def _peft_blocks(full: torch.Tensor, name: str, experts: int, ep: int, k: int) -
     return full.reshape(full.shape[0], -1, experts)[:, :, k * local:(k + 1) * local].reshape(full.shape[0], -1)
 
 
-@pytest.mark.parametrize("family", list(CASES))
-def test_lora_on_the_experts_under_ep_loads_trains_and_saves_as_peft(world, tmp_path_factory, family) -> None:
+@pytest.mark.parametrize("case", list(CASES))
+def test_lora_on_the_experts_under_ep_loads_trains_and_saves_as_peft(world, tmp_path_factory, case) -> None:
     from safetensors import safe_open
 
-    n, dims = CASES[family]
+    family, n, dims = CASES[case]
     ep = dims["ep"]
     efsdp = dims["dp_shard"] // ep
+    mesh_dims = (["dp_replicate"] if dims.get("dp_replicate", 1) > 1 else []) + ["efsdp", "ep"]
     src = str(build_reference(tmp_path_factory, family)["src"])
     judge = _judge(src, tmp_path_factory, family, n)
     experts = judge["num_experts"]
-    out = tmp_path_factory.mktemp(f"{family}_ep_ours")
+    out = tmp_path_factory.mktemp(f"{case}_ep_ours")
     results = world(n).run(_train, src, judge["init"], str(out), dims, timeout=300)
     for rank, r in enumerate(results):
         assert r["experts"] == [f"base_model.model.model.layers.{i}.mlp.experts.base_layer.base_layer"
@@ -194,7 +207,7 @@ def test_lora_on_the_experts_under_ep_loads_trains_and_saves_as_peft(world, tmp_
         # memory: this rank holds 1 / (ep * efsdp) of every experts factor, its experts' blocks only
         assert len(r["memory"]) == 8, r["memory"]  # 2 layers x 2 wrappers x (A, B)
         for name, (full, local, placement, mesh, read) in r["memory"].items():
-            assert mesh == ["efsdp", "ep"] and local * ep * efsdp == full, (rank, name, full, local, mesh)
+            assert mesh == mesh_dims and local * ep * efsdp == full, (rank, name, full, local, mesh)
             assert read == local, (rank, name, full, local, read)  # load_adapter read only its blocks
             assert placement == (("Shard", 0, None) if ".lora_A." in name else ("_StridedShard", 1, 4)), (
                 name, placement)
@@ -220,7 +233,7 @@ def test_lora_on_the_experts_under_ep_loads_trains_and_saves_as_peft(world, tmp_
     # PEFT's own save of the same (gathered) weights: the same files, bit for bit
     same = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(src), _lora())
     assert not same.load_state_dict(ours, strict=False).unexpected_keys
-    peft_dir = tmp_path_factory.mktemp(f"{family}_ep_peft_save")
+    peft_dir = tmp_path_factory.mktemp(f"{case}_ep_peft_save")
     same.save_pretrained(peft_dir)
     with safe_open(out / "adapter_model.safetensors", "pt") as mine, \
             safe_open(peft_dir / "adapter_model.safetensors", "pt") as theirs:
