@@ -241,8 +241,9 @@ def _run_one(method: str, mesh: str, world: int, dims: tuple[int, int, int], siz
     shutil.rmtree(out, ignore_errors=True)
     spec = {"method": method, "dp_shard": dims[0], "tp": dims[1], "ep": dims[2], "ckpt_dir": str(ckpt),
             "batch": list(args.batch), "optimizer": args.optimizer,
-            "optimizer_after": args.optimizer_after, "skip_step": args.skip_step and clock == "warm",
-            "save_dir": str(out / "saved"), "imports": "union" if clock == "warm" else "own",
+            "optimizer_after": args.optimizer_after, "skip_step": args.skip_step and clock in ("warm", "user"),
+            "save_dir": str(out / "saved"), "clock": clock,
+            "imports": {"warm": "union", "cold": "own", "user": "user"}[clock],
             "skip_save": clock == "cold" or args.model.endswith("_fp8"),
             "quant": "fp8" if args.model.endswith("_fp8") else None,
             "arch": args.model.removesuffix("_fp8")}
@@ -303,7 +304,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         records.append(rec)
                         pair[method] = rec
                         _progress(rec, t0)
-                    if clock == "warm" and all(pair.get(m, {}).get("status") == "ok" for m in METHODS):
+                    if clock in ("warm", "user") and all(pair.get(m, {}).get("status") == "ok" for m in METHODS):
                         check = check_pair({m: Path(pair[m]["log_dir"]) for m in METHODS}, ckpt)
                         for rec in pair.values():
                             rec["check"] = check
@@ -363,8 +364,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="llama", choices=list(MODELS),
                    help="the checkpoint: a Llama, or a Qwen3-MoE-shaped model in the Hub layout (16 experts, one "
                         "tensor per expert)")
-    p.add_argument("--clocks", nargs="+", default=["warm", "cold"], choices=["warm", "cold"],
-                   help="warm: both methods import the same modules (the union) before the clock, the load call "
+    p.add_argument("--clocks", nargs="+", default=["warm", "cold"], choices=["warm", "cold", "user"],
+                   help="user (issue 44, a user's loop): both methods import what a script imports at its top "
+                        "(hf_worker.USER_IMPORTS), no gc.collect(), each phase timed barrier to barrier (the "
+                        "slowest rank), what either call imports on first use inside the clock (run it with "
+                        "--malloc-mmap-threshold 0 for glibc's default); "
+                        "warm: both methods import the same modules (the union) before the clock, the load call "
                         "timed; cold: each imports only its own, timed from the process start to the loaded model "
                         "and to the first finished step")
     p.add_argument("--batch", type=int, nargs=2, default=[2, 16], metavar=("ROWS", "TOKENS"),

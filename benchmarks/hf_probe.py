@@ -66,18 +66,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ISSUE_IMPORTS", "ISSUE_SHAPE", "METHODS", "CellStats", "spread", "pair_ratios", "summarize",
+from .hf_worker import USER_IMPORTS, import_names
+
+__all__ = ["FLOOR", "ISSUE_IMPORTS", "ISSUE_SHAPE", "METHODS", "CellStats", "spread", "pair_ratios", "summarize",
            "render", "parse_args", "main", "shape_of", "param_bytes"]
 
 METHODS = ("transformers", "fsdptk")
+# --floor: the cost both calls share on first use in a fresh process, timed alone the same way:
+# importing transformers' modeling code for the model (what either call imports inside its clock)
+FLOOR = "imports-floor"
 # The issue's model: hidden 2048 x 10 layers, a TinyLlama-like Llama (GQA 32 / 4 heads), 2.29 GB fp32
 ISSUE_SHAPE: dict[str, int] = {"hidden_size": 2048, "num_hidden_layers": 10, "intermediate_size": 5632,
                                "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000}
 # what both methods import before the clock (the issue's harness): the names a user's script
 # imports at its top for either call, and fsdptk's modules the issue lists
-ISSUE_IMPORTS = ("torch", "torch.distributed", "transformers", "transformers:AutoModelForCausalLM",
-                 "transformers.distributed:DistributedConfig", "fsdptk", "fsdptk.hf", "fsdptk.sharding",
-                 "fsdptk.checkpoint", "fsdptk.tp")
+ISSUE_IMPORTS = USER_IMPORTS
 _MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX",
                "MALLOC_MMAP_MAX_")
 
@@ -197,14 +200,14 @@ def summarize(records: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, 
     cells: dict[tuple[str, int], dict[str, Any]] = {}
     for rec in records:
         key = (rec["mesh"], rec["world"])
-        cell = cells.setdefault(key, {"values": {m: {} for m in METHODS}, "failed": []})
+        cell = cells.setdefault(key, {"values": {m: {} for m in (*METHODS, FLOOR)}, "failed": []})
         if rec["status"] != "ok":
             cell["failed"].append(f"{rec['method']} r{rec['repeat']}: {rec['status']}: {rec.get('error')}")
             continue
         cell["values"][rec["method"]][rec["repeat"]] = run_values(rec)
     for cell in cells.values():
         vals = cell["values"]
-        cell["stats"] = {m: {f: spread([v[f] for v in vals[m].values()]) for f in _FIELDS} for m in METHODS}
+        cell["stats"] = {m: {f: spread([v[f] for v in vals[m].values()]) for f in _FIELDS} for m in (*METHODS, FLOOR)}
         cell["ratio"], cell["ratio_of_medians"] = {}, {}
         for f in _FIELDS:
             ours = {r: v[f] for r, v in vals["fsdptk"].items()}
@@ -240,8 +243,10 @@ def render(results: dict[str, Any]) -> str:
               "paired by repeat), median (min-max), and [the ratio of the medians]:\n",
               "| mesh | ranks | method | load s | save s | anon at load's peak GB | runs |", "|---|---|---|---|---|---|---|"]
     for (mesh, world), cell in sorted(summarize(records).items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        for m in METHODS:
+        for m in (*METHODS, FLOOR):
             st = cell["stats"][m]
+            if m == FLOOR and st["load_s"] is None:
+                continue
             lines.append(f"| {mesh} | {world} | {m} | {_st(st['load_s'])} | {_st(st['save_s'])} | "
                          f"{_st(st['peak_anon'], scale=1e9)} | {st['load_s'].runs if st['load_s'] else 0} |")
         rs, rm = cell["ratio"], cell["ratio_of_medians"]
@@ -283,10 +288,13 @@ def _mesh_dims(mesh: str, world: int) -> tuple[int, int] | str:
     return world // 2, 2
 
 
-def _prepare(shape: dict[str, Any], work: Path, timeout: float) -> Path:
-    """Write the checkpoint with ``save_pretrained`` (single process, seed 0): always, so that it is
-    in the page cache as it is for a user who has just written it."""
-    ckpt = work / "ckpt"
+def _prepare(shape: dict[str, Any], work: Path, timeout: float, rewrite: bool) -> tuple[Path, bool]:
+    """The checkpoint, written with ``save_pretrained`` (single process, seed 0) unless the work
+    directory holds one of the same shape (and not ``rewrite``); whether it was written now."""
+    ckpt = work / ("ckpt-" + "-".join(str(shape[k]) for k in ISSUE_SHAPE))
+    meta = ckpt / "probe_shape.json"
+    if not rewrite and meta.is_file() and json.loads(meta.read_text()) == shape:
+        return ckpt, False
     shutil.rmtree(ckpt, ignore_errors=True)
     print(f"[probe] writing the {param_bytes(shape) / 1e9:.2f} GB Llama {ckpt} ({shape})", flush=True)
     code = ("import json, sys, torch, transformers\n"
@@ -295,7 +303,8 @@ def _prepare(shape: dict[str, Any], work: Path, timeout: float) -> Path:
             "transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(sys.argv[2])\n")
     subprocess.run([sys.executable, "-c", code, json.dumps(shape), str(ckpt)], check=True, timeout=timeout,
                    env=dict(os.environ, OMP_NUM_THREADS="2"))
-    return ckpt
+    meta.write_text(json.dumps(shape))
+    return ckpt, True
 
 
 def _child_env(args: argparse.Namespace, world: int, rank: int, port: int) -> dict[str, str]:
@@ -409,10 +418,12 @@ def _read_files(directory: Path) -> None:
 
 def _order(args: argparse.Namespace, repeat: int) -> list[str]:
     if args.order == "transformers-first":
-        return list(METHODS)
-    if args.order == "fsdptk-first":
-        return list(METHODS[::-1])
-    return list(METHODS) if repeat % 2 == 0 else list(METHODS[::-1])
+        order = list(METHODS)
+    elif args.order == "fsdptk-first":
+        order = list(METHODS[::-1])
+    else:
+        order = list(METHODS) if repeat % 2 == 0 else list(METHODS[::-1])
+    return order + ([FLOOR] if args.floor else [])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -421,7 +432,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     shape = shape_of(args)
     load_before = os.getloadavg()
     t_start = time.monotonic()
-    ckpt = _prepare(shape, work, args.timeout)
+    ckpt, written = _prepare(shape, work, args.timeout, args.rewrite)
     records: list[dict[str, Any]] = []
     for world in args.worlds:
         for mesh in args.meshes:
@@ -444,7 +455,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     _progress(rec)
                     shutil.rmtree(out / "saved", ignore_errors=True)
     if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(work / "runs", ignore_errors=True)
     from .hf_peer import _git_commit, _versions
 
     factors = {k: getattr(args, k) for k in ("malloc", "gc", "order", "imports", "clock", "page_cache", "threads",
@@ -452,7 +463,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     meta = {"command": "python -m benchmarks hf-probe " + " ".join(args.argv), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
             "commit": _git_commit(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
             "versions": _versions(), "shape": shape, "model_bytes": param_bytes(shape), "factors": factors,
-            "loadavg_before": list(load_before), "loadavg_end": list(os.getloadavg()),
+            "checkpoint_written_by_this_run": written, "loadavg_before": list(load_before), "loadavg_end": list(os.getloadavg()),
             "seconds": time.monotonic() - t_start}
     return {"records": records, "meta": meta}
 
@@ -471,15 +482,6 @@ def _progress(rec: dict[str, Any]) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # one rank
-def _import(name: str) -> None:
-    import importlib
-
-    module, _, attr = name.partition(":")
-    mod = importlib.import_module(module)
-    if attr:
-        getattr(mod, attr)
-
-
 def _worker(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -503,8 +505,7 @@ def _rank(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
 
     if spec["threads"] == "1":
         torch.set_num_threads(1)
-    for name in ISSUE_IMPORTS:
-        _import(name)
+    import_names(ISSUE_IMPORTS)
     if spec["imports"] == "union":
         from .hf_worker import preclock_imports
 
@@ -519,7 +520,13 @@ def _rank(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     from .measure import status_bytes
 
     path, f, t = spec["ckpt"], spec["dp_shard"], spec["tp"]
-    if spec["method"] == "transformers":
+    if spec["method"] == FLOOR:
+        def load() -> Any:
+            import transformers.models.llama.modeling_llama  # noqa: F401
+
+        def save(model: Any, where: str) -> None:
+            pass
+    elif spec["method"] == "transformers":
         def load() -> Any:
             return transformers.AutoModelForCausalLM.from_pretrained(
                 path, distributed_config=DistributedConfig(fsdp_size=f, tp_size=t), dtype=torch.float32)
@@ -535,9 +542,14 @@ def _rank(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rec: dict[str, Any] = {"rank": rank, "threads": torch.get_num_threads(), "anon_before": status_bytes("RssAnon")}
+    before = set(sys.modules)
     model, (rec["load_t0"], rec["load_t1"], rec["load_s"]) = _timed(load, dist, spec)
+    if rank == 0:  # the modules the call imported inside the clock
+        rec["imported_in_load"] = sorted(set(sys.modules) - before)
     rec["anon_after"] = status_bytes("RssAnon")
     rec["rss_after"] = status_bytes("VmRSS")
+    if spec["method"] == FLOOR:
+        return rec
     rec["local_numel"] = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
     if spec["save"]:
         where = str(Path(spec["out_dir"]) / "saved")
@@ -586,6 +598,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--meshes", nargs="+", default=["fsdp"], choices=["fsdp", "fsdp-tp2"])
     p.add_argument("--repeats", type=int, default=3, help="runs of each method per cell")
     p.add_argument("--save", action="store_true", help="also time the save after the load")
+    p.add_argument("--floor", action="store_true",
+                   help="also time, in the same fresh world, what both calls share on first use: importing "
+                        "transformers' modeling code for the model (method imports-floor)")
     factors = p.add_argument_group("factors (default: the issue's harness; the alternative: python -m benchmarks hf's)")
     factors.add_argument("--malloc", default="default", choices=["default", "mmap65536"],
                          help="glibc's default malloc, or MALLOC_MMAP_THRESHOLD_=65536 in every rank")
@@ -605,7 +620,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-ms", type=float, default=2.0,
                    help="period of the driver's RssAnon sampling of every rank (0: off, no peak)")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "fsdptk-hf-probe"))
-    p.add_argument("--keep", action="store_true", help="keep the checkpoint and the runs' logs")
+    p.add_argument("--keep", action="store_true", help="keep the runs' logs (the checkpoint is kept for the next "
+                   "run of the same shape)")
+    p.add_argument("--rewrite", action="store_true", help="write the checkpoint even if the work directory has it")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--from-json", default=None, help="do not run: print the tables of this result file")

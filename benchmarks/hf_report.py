@@ -15,7 +15,7 @@ from typing import Any
 from .markers import GPU_BEGIN
 from .runner import REPO
 
-__all__ = ["HF_BEGIN", "HF_END", "aggregate", "render", "plot", "section", "hf_section", "write_docs"]
+__all__ = ["HF_BEGIN", "HF_END", "aggregate", "run_ratios", "render", "plot", "section", "hf_section", "write_docs"]
 
 HF_BEGIN = ("<!-- hf-section: written by `python -m benchmarks hf --write-docs`; kept when the rest of the page "
             "is regenerated -->")
@@ -69,11 +69,36 @@ def _per_run(rec: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def aggregate(results: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
-    """(mesh, world, size_gb, method) -> medians over repeats, status, checks."""
+# the figures whose single runs' range is shown beside the median (issue 44)
+_SPREAD = ("load_s", "save_s", "load_fwd_s", "load_anon_r0", "load_anon_rN")
+
+
+def _range(xs: list[float | None]) -> tuple[float, float] | None:
+    got = [x for x in xs if x is not None]
+    return (min(got), max(got)) if got else None
+
+
+def run_ratios(results: dict[str, Any], clock: str = "warm") -> dict[tuple, dict[str, list[float]]]:
+    """(mesh, world, size_gb) -> per figure of :data:`_SPREAD`, the single runs' ratios fsdptk /
+    transformers, the two runs of each repeat paired (they ran back to back), in repeat order."""
+    runs: dict[tuple, dict[str, dict[int, dict[str, Any]]]] = defaultdict(lambda: defaultdict(dict))
+    for rec in results["records"]:
+        if rec.get("clock", "warm") == clock and rec["status"] == "ok":
+            runs[(rec["mesh"], rec["world"], rec["size_gb"])][rec["method"]][rec["repeat"]] = _per_run(rec)
+    out: dict[tuple, dict[str, list[float]]] = {}
+    for cell, by in runs.items():
+        ours, theirs = by.get("fsdptk", {}), by.get("transformers", {})
+        out[cell] = {f: [ours[r][f] / theirs[r][f] for r in sorted(ours) if r in theirs
+                         and ours[r].get(f) is not None and theirs[r].get(f)] for f in _SPREAD}
+    return out
+
+
+def aggregate(results: dict[str, Any], clock: str = "warm") -> dict[tuple, dict[str, Any]]:
+    """(mesh, world, size_gb, method) -> medians over repeats (``range``: the single runs' min and
+    max of the figures in :data:`_SPREAD`), status, checks."""
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for rec in results["records"]:
-        if rec.get("clock", "warm") != "warm":  # the cold runs have a table of their own
+        if rec.get("clock", "warm") != clock:  # each clock has tables of its own
             continue
         groups[(rec["mesh"], rec["world"], rec["size_gb"], rec["method"])].append(rec)
     rows = {}
@@ -84,6 +109,7 @@ def aggregate(results: dict[str, Any]) -> dict[tuple, dict[str, Any]]:
         if ok:
             per = [_per_run(r) for r in ok]
             row.update({k: _med([p.get(k) for p in per]) for k in dict.fromkeys(k for p in per for k in p)})
+            row["range"] = {k: _range([p.get(k) for p in per]) for k in _SPREAD}
         checks = [r.get("check") for r in ok]
         voids = [c["void"] for c in checks if c and c.get("void")]
         row["check"] = ("VOID: " + voids[0]) if voids else ("ok" if checks and all(checks) else "unchecked")
@@ -116,18 +142,42 @@ def _s(x: float | None) -> str:
     return "-" if x is None else (f"{x:.2f}" if x < 100 else f"{x:.0f}")
 
 
+def _sr(row: dict[str, Any], field: str) -> str:
+    """``median (min-max)`` of a time over the single runs (the median alone for one run)."""
+    rng = (row.get("range") or {}).get(field)
+    if row.get(field) is None or rng is None or row.get("runs", 1) < 2:
+        return _s(row.get(field))
+    return f"{_s(row[field])} ({_s(rng[0])}-{_s(rng[1])})"
+
+
 def _m(x: float | None) -> str:
     return "-" if x is None else f"{x / MB:,.0f}"
 
 
+_CLOCK_TITLES = {"user": "### As a user's loop sees it (the `user` clock)\n\nBoth methods import what a script "
+                 "imports at its top for either call (`torch`, `transformers`' `AutoModelForCausalLM` and "
+                 "`DistributedConfig`, `fsdptk.hf`, `fsdptk.sharding`, `fsdptk.checkpoint`, `fsdptk.tp`), no "
+                 "`gc.collect()` before the clock, each phase timed `barrier, clock, call, barrier, clock` (the "
+                 "slowest rank); what either call imports on first use (transformers' modeling code) is inside "
+                 "its clock.\n"}
+
+
 def render(results: dict[str, Any]) -> str:
-    """The tables of a result file (markdown)."""
-    rows = aggregate(results)
+    """The tables of a result file (markdown): the warm clock's, the user clock's when the file has
+    them, then the cold table and the bytes read."""
+    out = _render_clock(results, "warm")
+    if any(r.get("clock") == "user" for r in results["records"]):
+        out += "\n" + _CLOCK_TITLES["user"] + "\n" + _render_clock(results, "user")
+    return out + "\n".join([""] + cold_table(results) + [""] + read_table(results)) + "\n"
+
+
+def _render_clock(results: dict[str, Any], clock: str) -> str:
+    rows = aggregate(results, clock)
     keys = sorted((k for k in rows if rows[k]["status"] == "ok"), key=_sort_key)
-    t = ["**Time** (s; max over ranks, median over repeats):\n",
+    t = ["**Time** (s; max over ranks, median over repeats; in brackets the single runs' min-max):\n",
          "| mesh | ranks | model GB | method | load | first forward | load + forward | train step | save | "
-         "imports + init | check |",
-         "|---|---|---|---|---|---|---|---|---|---|---|"]
+         "imports + init | runs | check |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     m = ["**Memory** (GB; rank 0 / max of the other ranks; *peak*: `VmHWM` over the phase, reset at its start; "
          "*anon*: `RssAnon` after the phase; *heap trimmed*: after glibc's `malloc_trim(0)`, the live memory):\n",
          "| mesh | ranks | model GB | method | peak over load | anon after load | file pages after load | "
@@ -143,8 +193,8 @@ def render(results: dict[str, Any]) -> str:
         r = rows[k]
         head = f"| {k[0]} | {k[1]} | {r['model_bytes'] / GB:.2f} | {k[3]} |"
         check = r["check"] + (f" (logits max diff {r['logits_diff']:.1e})" if r["logits_diff"] is not None else "")
-        t.append(f"{head} {_s(r['load_s'])} | {_s(r['fwd_s'])} | {_s(r['load_fwd_s'])} | {_s(r.get('step_s'))} | "
-                 f"{_s(r.get('save_s'))} | {_s(r['start_s'])} | {check} |")
+        t.append(f"{head} {_sr(r, 'load_s')} | {_s(r['fwd_s'])} | {_sr(r, 'load_fwd_s')} | {_s(r.get('step_s'))} | "
+                 f"{_sr(r, 'save_s')} | {_s(r['start_s'])} | {r['runs']} | {check} |")
         m.append(f"{head} {_g(r['load_peak_r0'])} / {_g(r['load_peak_rN'])} | {_g(r['load_anon_r0'])} / "
                  f"{_g(r['load_anon_rN'])} | {_g(r['load_file_r0'])} / {_g(r['load_file_rN'])} | "
                  f"{_g(r['fwd_anon_r0'])} / {_g(r['fwd_anon_rN'])} | {_g(r.get('step_anon_r0'))} / "
@@ -152,8 +202,7 @@ def render(results: dict[str, Any]) -> str:
                  f"{_g(r.get('save_peak_r0'))} ({_g(r.get('save_above_r0'))}) |")
         b.append(f"{head} {_m(r['load_sent_r0'])} / {_m(r['load_sent_rN'])} | {_m(r.get('save_sent_r0'))} / "
                  f"{_m(r.get('save_sent_rN'))} | {_m(r['model_bytes'] / k[1])} |")
-    return "\n".join(t + [""] + m + [""] + b + [""] + _ratios(rows) + [""] + cold_table(results)
-                     + [""] + read_table(results)) + "\n"
+    return "\n".join(t + [""] + m + [""] + b + [""] + _ratios(rows, run_ratios(results, clock))) + "\n"
 
 
 def cold_table(results: dict[str, Any]) -> list[str]:
@@ -210,6 +259,7 @@ def read_table(results: dict[str, Any]) -> list[str]:
 # (label, field, the target the issue sets or None)
 _RATIOS = [("load", "load_s", "<= 0.7 at >= 2 GB, 2 and 4 ranks"), ("load + first forward", "load_fwd_s", "<= 1"),
            ("train step", "step_s", None), ("save", "save_s", None),
+           ("anon after load, rank 0", "load_anon_r0", "<= 1"), ("anon after load, ranks > 0", "load_anon_rN", "<= 1"),
            ("anon after train step, rank 0", "step_anon_r0", "<= 1"),
            ("anon after train step, ranks > 0", "step_anon_rN", "<= 1"),
            ("peak over save, rank 0", "save_peak_r0", None)]
@@ -232,13 +282,15 @@ def _target_met(field: str, key: tuple, ratio: float) -> bool | None:
     ratio = round(ratio, 2)
     if field == "load_s":
         return ratio <= LOAD_TARGET if key[2] >= 2 and key[1] in (2, 4) else None
-    if field in ("load_fwd_s", "step_anon_r0", "step_anon_rN"):
+    if field in ("load_fwd_s", "step_anon_r0", "step_anon_rN", "load_anon_r0", "load_anon_rN"):
         return ratio <= 1.0
     return None
 
 
-def _ratios(rows: dict) -> list[str]:
-    lines = ["**fsdptk / transformers** (< 1: fsdptk is faster or leaner; **bold**: a target of issue 24 missed):\n",
+def _ratios(rows: dict, per_run: dict[tuple, dict[str, list[float]]] | None = None) -> list[str]:
+    lines = ["**fsdptk / transformers** (< 1: fsdptk is faster or leaner; **bold**: a target of issue 24 missed; "
+             "load, load + first forward and save: the ratio of the medians, in brackets the single runs' ratios' "
+             "min-max, the two methods' runs of each repeat paired):\n",
              "| mesh | ranks | model GB | " + " | ".join(f"{label}" for label, _, _ in _RATIOS) + " | check |",
              "|---|---|---|" + "---|" * (len(_RATIOS) + 1),
              "| target | | | " + " | ".join(t or "" for _, _, t in _RATIOS) + " | |"]
@@ -247,7 +299,11 @@ def _ratios(rows: dict) -> list[str]:
         for _, f, _ in _RATIOS:
             r = ratios[f]
             met = None if r is None else _target_met(f, k, r)
-            cells.append("-" if r is None else f"**{r:.2f}**" if met is False else f"{r:.2f}")
+            cell = "-" if r is None else f"**{r:.2f}**" if met is False else f"{r:.2f}"
+            single = (per_run or {}).get(k[:3], {}).get(f) or []
+            if r is not None and len(single) > 1:
+                cell += f" ({min(single):.2f}-{max(single):.2f})"
+            cells.append(cell)
         lines.append(f"| {k[0]} | {k[1]} | {rows[k]['model_bytes'] / GB:.2f} | " + " | ".join(cells)
                      + f" | {rows[k]['check'].split(' (')[0]} |")
     return lines

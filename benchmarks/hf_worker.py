@@ -12,7 +12,10 @@ call to its return (max over ranks is taken by the driver), with a barrier betwe
    imports only the method's entry point, and the run reports the time from the process start to
    the loaded model (``cold_loaded_s``: imports, process group, build, load) and to the first
    finished step (``cold_step_s``). ``gc.collect()`` runs before every clock; the driver reads the
-   checkpoint's files into the page cache before every run, so both methods start from it hot;
+   checkpoint's files into the page cache before every run, so both methods start from it hot.
+   ``imports: user`` with ``clock: user`` (issue 44, what a user's loop sees): both methods import
+   :data:`USER_IMPORTS` (what a script imports at its top for either call), no ``gc.collect()``, no
+   read counter around ``safe_open``, and each phase is ``barrier, clock, call, barrier, clock``;
 2. load: ``AutoModelForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(
    fsdp_size, tp_size[, ep_size]))`` or ``fsdptk.hf.from_pretrained(path, dims=ParallelDims(dp_shard, tp,
    ep=ep))``;
@@ -47,7 +50,7 @@ import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
-__all__ = ["main", "status_bytes", "preclock_imports", "UNION_MODULES"]
+__all__ = ["main", "status_bytes", "preclock_imports", "import_names", "UNION_MODULES", "USER_IMPORTS"]
 
 # What a "warm" run imports before any clock starts, whichever method it runs: the union of what
 # either load imports on its own (transformers' distributed path and fsdptk.hf), so neither
@@ -66,6 +69,26 @@ UNION_MODULES = (
 )
 
 
+# What a user's script imports at its top for either call (issue 44's harness, the ``user`` clock):
+# the same for both methods; what either call imports on first use (transformers' modeling code)
+# is inside the clock. ``a:b`` is ``from a import b``.
+USER_IMPORTS = ("torch", "torch.distributed", "transformers", "transformers:AutoModelForCausalLM",
+                "transformers.distributed:DistributedConfig", "fsdptk", "fsdptk.hf", "fsdptk.sharding",
+                "fsdptk.checkpoint", "fsdptk.tp")
+
+
+def import_names(names: tuple[str, ...]) -> None:
+    """Import each ``module`` or ``module:attribute`` of ``names`` (an attribute of a lazy
+    package such as ``transformers`` is imported when it is read)."""
+    import importlib
+
+    for name in names:
+        module, _, attr = name.partition(":")
+        mod = importlib.import_module(module)
+        if attr:
+            getattr(mod, attr)
+
+
 def preclock_imports(spec: dict[str, Any]) -> None:
     """Import what the run's clock must not pay for: the union (``imports: union``, the warm
     figure, the same for both methods), or only the method's own entry point (``imports: own``,
@@ -74,7 +97,9 @@ def preclock_imports(spec: dict[str, Any]) -> None:
 
     import torch  # noqa: F401
 
-    if spec.get("imports", "union") == "union":
+    if spec.get("imports") == "user":
+        import_names(USER_IMPORTS)
+    elif spec.get("imports", "union") == "union":
         for name in UNION_MODULES:
             try:
                 importlib.import_module(name)
@@ -189,17 +214,24 @@ def _files_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) if directory.is_dir() else 0
 
 
-def _phase(fn, dist, *, sent: bool = False) -> tuple[Any, dict[str, Any]]:
-    """Run ``fn`` between barriers; this rank's time, memory after, peak over, bytes written."""
+def _phase(fn, dist, *, sent: bool = False, user: bool = False) -> tuple[Any, dict[str, Any]]:
+    """Run ``fn`` between barriers; this rank's time, memory after, peak over, bytes written.
+
+    ``user`` (the ``user`` clock, issue 44): no ``gc.collect()`` before it, and the barrier after
+    the call inside the clock (``barrier, clock, fn(), barrier, clock``: the slowest rank's time,
+    as a user's loop sees it); otherwise ``gc.collect()``, and the rank's own call time."""
     import gc
 
-    gc.collect()
+    if not user:
+        gc.collect()
     dist.barrier()
     _reset_peak()
     rss0 = status_bytes()["VmRSS"]
     w0 = _wchar()
     t0 = time.perf_counter()
     result = fn()
+    if user:
+        dist.barrier()
     seconds = time.perf_counter() - t0
     w1 = _wchar()
     mem = status_bytes()
@@ -207,7 +239,8 @@ def _phase(fn, dist, *, sent: bool = False) -> tuple[Any, dict[str, Any]]:
                            "peak": mem["VmHWM"], "rss0": rss0}
     if sent:
         rec["written"] = w1 - w0
-    dist.barrier()
+    if not user:
+        dist.barrier()
     return result, rec
 
 
@@ -248,17 +281,20 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             fsdptk.save_safetensors(model, out)
     rec: dict[str, Any] = {"rank": rank, "import_s": time.perf_counter() - _T_START, "before": status_bytes(),
                            "imports": spec.get("imports", "union")}
-    reads = count_file_reads()
+    user = spec.get("clock") == "user"  # a user's loop: no read counter, no collection before the clocks
+    reads = None if user else count_file_reads()
     t0 = time.perf_counter()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rec["init_s"] = time.perf_counter() - t0
-    gc.collect()
+    if not user:
+        gc.collect()
     rec["preclock_modules"] = len(sys.modules)
     if spec.get("record_modules"):
         rec["preclock_module_names"] = sorted(sys.modules)
 
-    model, rec["load"] = _phase(load, dist, sent=True)
-    rec["load"]["read"] = reads[0]
+    model, rec["load"] = _phase(load, dist, sent=True, user=user)
+    if reads is not None:
+        rec["load"]["read"] = reads[0]
     rec["cold_loaded_s"] = time.perf_counter() - _T_START  # process start -> loaded model
 
     def make_optimizer() -> torch.optim.Optimizer:
@@ -276,7 +312,7 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             out = model(input_ids=batch).logits
         return out.full_tensor() if hasattr(out, "full_tensor") else out
 
-    logits, rec["forward"] = _phase(forward, dist)
+    logits, rec["forward"] = _phase(forward, dist, user=user)
     out_dir = Path(spec["out_dir"])
     if rank == 0:
         torch.save(logits, out_dir / "logits.pt")
@@ -294,7 +330,7 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
 
     if spec.get("skip_step"):  # load-focused repeats: the step is compute, minutes at 4 GB
         return _save_phase(rec, spec, rank, dist, save, model)
-    rec["loss"], rec["step"] = _phase(step, dist)
+    rec["loss"], rec["step"] = _phase(step, dist, user=user)
     rec["cold_step_s"] = time.perf_counter() - _T_START  # process start -> first finished step
     if spec.get("skip_save"):  # a cold run (its figures are the two above), or a run without a save
         rec["load"]["sent"] = rec["load"]["written"]
@@ -311,7 +347,7 @@ def _run(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
 def _save_phase(rec: dict[str, Any], spec: dict[str, Any], rank: int, dist: Any, save: Any, model: Any
                 ) -> dict[str, Any]:
     save_dir = Path(spec["save_dir"])
-    _, rec["save"] = _phase(lambda: save(model, save_dir), dist, sent=True)
+    _, rec["save"] = _phase(lambda: save(model, save_dir), dist, sent=True, user=spec.get("clock") == "user")
     rec["save"]["files"] = _files_bytes(save_dir) if rank == 0 else 0
     rec["save"]["sent"] = rec["save"]["written"] - rec["save"]["files"]
     rec["load"]["sent"] = rec["load"]["written"]
