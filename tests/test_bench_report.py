@@ -300,3 +300,36 @@ def test_hf_probe_arguments_and_model_shape():
     assert not any(k.startswith("MALLOC_") for k in plain)
     assert {k: v for k, v in mapped.items() if k.startswith("MALLOC_")} == {"MALLOC_MMAP_THRESHOLD_": "65536"}
     assert (plain["RANK"], plain["WORLD_SIZE"], plain["OMP_NUM_THREADS"]) == ("1", "2", "1")
+
+
+def _hf_rec(method: str, repeat: int, load: float, save: float, clock: str = "warm") -> dict:
+    phase = {"s": 0.0, "peak": 1, "anon": 1, "file": 1, "rss": 1, "rss0": 1, "sent": 0}
+    ranks = [{"rank": r, "import_s": 1.0, "init_s": 0.1, "load": dict(phase, s=load * (1 - 0.1 * r)),
+              "forward": dict(phase, s=1.0), "save": dict(phase, s=save)} for r in range(2)]
+    return {"method": method, "mesh": "fsdp", "world": 2, "size_gb": 2.0, "model_bytes": 2 * 10**9,
+            "repeat": repeat, "clock": clock, "status": "ok", "ranks": ranks}
+
+
+def test_hf_report_shows_single_runs_beside_the_medians():
+    """``python -m benchmarks hf``'s tables give each time's single-run min-max beside its median,
+    and each ratio's per-run range with the two methods' runs of a repeat paired; a ``user`` clock
+    gets tables of its own, its runs never mixed into the warm ones."""
+    import statistics as st
+
+    from benchmarks.hf_report import aggregate, render, run_ratios
+
+    loads = {"transformers": [1.0, 2.0, 1.5], "fsdptk": [0.6, 1.0, 1.6]}
+    records = [_hf_rec(m, r, t, 2 * t) for m, ts in loads.items() for r, t in enumerate(ts)]
+    records += [_hf_rec(m, 0, 10 * t, 1.0, clock="user") for m, t in (("transformers", 1.0), ("fsdptk", 0.9))]
+    rows = aggregate({"records": records})
+    ours = rows[("fsdp", 2, 2.0, "fsdptk")]
+    assert (ours["load_s"], ours["range"]["load_s"], ours["runs"]) == (1.0, (0.6, 1.6), 3)
+    per_run = [a / b for a, b in zip(loads["fsdptk"], loads["transformers"])]
+    assert run_ratios({"records": records})[("fsdp", 2, 2.0)]["load_s"] == per_run
+    assert run_ratios({"records": records}, "user")[("fsdp", 2, 2.0)]["load_s"] == [0.9]
+    table = render({"records": records})
+    assert "| fsdp | 2 | 2.00 | fsdptk | 1.00 (0.60-1.60) |" in table
+    ratio = st.median(loads["fsdptk"]) / st.median(loads["transformers"])
+    assert f"| fsdp | 2 | 2.00 | {ratio:.2f} ({min(per_run):.2f}-{max(per_run):.2f}) |" in table
+    user = table[table.index("As a user's loop sees it"):]
+    assert "| fsdp | 2 | 2.00 | fsdptk | 9.00 |" in user and "| fsdp | 2 | 2.00 | **0.90** |" in user  # 0.7 missed
