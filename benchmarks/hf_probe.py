@@ -69,7 +69,7 @@ from typing import Any
 from .hf_worker import USER_IMPORTS, import_names
 
 __all__ = ["FLOOR", "ISSUE_IMPORTS", "ISSUE_SHAPE", "METHODS", "CellStats", "spread", "pair_ratios", "summarize",
-           "render", "parse_args", "main", "shape_of", "param_bytes"]
+           "render", "parse_args", "main", "shape_of", "param_bytes", "import_self_seconds"]
 
 METHODS = ("transformers", "fsdptk")
 # --floor: the cost both calls share on first use in a fresh process, timed alone the same way:
@@ -164,7 +164,28 @@ def pair_ratios(ours: dict[int, float | None], theirs: dict[int, float | None]) 
             if r in theirs and ours[r] is not None and theirs[r]]
 
 
-_FIELDS = ("load_s", "save_s", "peak_anon", "anon_after")
+_FIELDS = ("load_s", "save_s", "peak_anon", "anon_after", "load_wo_imports_s")
+
+
+def import_self_seconds(log: str, modules: set[str]) -> float:
+    """Seconds of ``python -X importtime`` self time (its ``import time:`` lines in ``log``) spent
+    importing ``modules``.
+
+    Example:
+        >>> log = ("import time: self [us] | cumulative | imported package\\n"
+        ...        "import time:      1500 |       2500 |   a.b\\n"
+        ...        "import time:      1000 |       1000 | a\\n")
+        >>> import_self_seconds(log, {"a.b"})
+        0.0015
+    """
+    total = 0
+    for line in log.splitlines():
+        if not line.startswith("import time:") or "|" not in line:
+            continue
+        self_us, _, name = (part.strip() for part in line[len("import time:"):].split("|"))
+        if name in modules and self_us.isdigit():
+            total += int(self_us)
+    return total / 1e6
 
 
 def run_values(rec: dict[str, Any]) -> dict[str, float | None]:
@@ -174,7 +195,7 @@ def run_values(rec: dict[str, Any]) -> dict[str, float | None]:
     Example:
         >>> run_values({"status": "ok", "ranks": [{"load_s": 1.0, "peak_anon": 5, "anon_after": 4},
         ...                                       {"load_s": 1.5, "peak_anon": 3, "anon_after": 3}]})
-        {'load_s': 1.5, 'save_s': None, 'peak_anon': 5.0, 'anon_after': 4.0}
+        {'load_s': 1.5, 'save_s': None, 'peak_anon': 5.0, 'anon_after': 4.0, 'load_wo_imports_s': None}
     """
     ranks = rec["ranks"]
     out: dict[str, float | None] = {}
@@ -241,20 +262,23 @@ def render(results: dict[str, Any]) -> str:
                      f"{_s(v['save_s'])} | {_gb(v['peak_anon'])} | {_gb(v['anon_after'])} | " + " | ".join(ratio) + " |")
     lines += ["", "**Per cell**: median (min-max) of single runs; ratio: fsdptk / transformers per run (runs "
               "paired by repeat), median (min-max), and [the ratio of the medians]:\n",
-              "| mesh | ranks | method | load s | save s | anon at load's peak GB | runs |", "|---|---|---|---|---|---|---|"]
+              "| mesh | ranks | method | load s | save s | anon at load's peak GB | runs | load less its first-use "
+              "imports s (--importtime) |", "|---|---|---|---|---|---|---|---|"]
     for (mesh, world), cell in sorted(summarize(records).items(), key=lambda kv: (kv[0][1], kv[0][0])):
         for m in (*METHODS, FLOOR):
             st = cell["stats"][m]
             if m == FLOOR and st["load_s"] is None:
                 continue
             lines.append(f"| {mesh} | {world} | {m} | {_st(st['load_s'])} | {_st(st['save_s'])} | "
-                         f"{_st(st['peak_anon'], scale=1e9)} | {st['load_s'].runs if st['load_s'] else 0} |")
+                         f"{_st(st['peak_anon'], scale=1e9)} | {st['load_s'].runs if st['load_s'] else 0} | "
+                         f"{_st(st['load_wo_imports_s'])} |")
         rs, rm = cell["ratio"], cell["ratio_of_medians"]
         lines.append(f"| {mesh} | {world} | **ratio** | {_rt(rs['load_s'], rm['load_s'])} | "
                      f"{_rt(rs['save_s'], rm['save_s'])} | {_rt(rs['peak_anon'], rm['peak_anon'])} | "
-                     f"{rs['load_s'].runs if rs['load_s'] else 0} |")
+                     f"{rs['load_s'].runs if rs['load_s'] else 0} | "
+                     f"{_rt(rs['load_wo_imports_s'], rm['load_wo_imports_s'])} |")
         for failed in cell["failed"]:
-            lines.append(f"| {mesh} | {world} | failed | {failed[:160]} | | | |")
+            lines.append(f"| {mesh} | {world} | failed | {failed[:160]} | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -364,7 +388,8 @@ def _launch(spec: dict[str, Any], world: int, out: Path, args: argparse.Namespac
     procs, logs = [], []
     for rank in range(world):
         logs.append(open(out / f"rank{rank}.log", "w"))  # noqa: SIM115 - closed below
-        procs.append(subprocess.Popen([sys.executable, "-m", "benchmarks.hf_probe", "--worker", str(spec_path)],
+        procs.append(subprocess.Popen([sys.executable, *(["-X", "importtime"] if args.importtime else []), "-m",
+                                       "benchmarks.hf_probe", "--worker", str(spec_path)],
                                       cwd=REPO, env=_child_env(args, world, rank, port), stdout=logs[-1],
                                       stderr=subprocess.STDOUT, start_new_session=True))
     sampler = _Sampler([p.pid for p in procs], args.sample_ms / 1e3)
@@ -399,6 +424,10 @@ def _launch(spec: dict[str, Any], world: int, out: Path, args: argparse.Namespac
         elif args.sample_ms > 0:
             r["peak_anon"] = sampler.peak(rank, r["load_t0"], r["load_t1"])
             r["anon_samples_in_load"] = sum(r["load_t0"] <= t <= r["load_t1"] for t, _ in sampler.samples[rank])
+        if args.importtime and not r.get("error"):  # the first-use imports inside this rank's load clock
+            r["imports_in_load_s"] = import_self_seconds((out / f"rank{rank}.log").read_text(errors="replace"),
+                                                         set(r["imported_in_load"]))
+            r["load_wo_imports_s"] = r["load_s"] - r["imports_in_load_s"]
         ranks.append(r)
     if errors:
         status = "error"
@@ -544,8 +573,7 @@ def _rank(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     rec: dict[str, Any] = {"rank": rank, "threads": torch.get_num_threads(), "anon_before": status_bytes("RssAnon")}
     before = set(sys.modules)
     model, (rec["load_t0"], rec["load_t1"], rec["load_s"]) = _timed(load, dist, spec)
-    if rank == 0:  # the modules the call imported inside the clock
-        rec["imported_in_load"] = sorted(set(sys.modules) - before)
+    rec["imported_in_load"] = sorted(set(sys.modules) - before)  # the call's first-use imports
     rec["anon_after"] = status_bytes("RssAnon")
     rec["rss_after"] = status_bytes("VmRSS")
     if spec["method"] == FLOOR:
@@ -617,6 +645,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                               "every run")
     factors.add_argument("--threads", default="1", choices=["1", "default"],
                          help="one torch / OpenMP thread per rank, or torch's default")
+    p.add_argument("--importtime", action="store_true",
+                   help="run the ranks under python -X importtime and report each load's time less the self time "
+                        "of the modules it imported inside its clock (the shared first-use imports)")
     p.add_argument("--sample-ms", type=float, default=2.0,
                    help="period of the driver's RssAnon sampling of every rank (0: off, no peak)")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "fsdptk-hf-probe"))
