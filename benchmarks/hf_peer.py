@@ -232,7 +232,9 @@ def _run_one(method: str, mesh: str, world: int, dims: tuple[int, int, int], siz
                            "ep": dims[2],
                            "size_gb": size, "model_bytes": meta["model_bytes"], "repeat": rep, "clock": clock,
                            "model": args.model, "file_bytes": meta.get("file_bytes")}
-    est = estimate_bytes(method, meta["model_bytes"], world, heap_kept=args.malloc_mmap_threshold <= 0)
+    steps = not (args.skip_step and clock in ("warm", "user"))  # a cold run always steps
+    # glibc's default heap keeps the freed all-gathered layers of a training step (no step: nothing kept)
+    est = estimate_bytes(method, meta["model_bytes"], world, heap_kept=args.malloc_mmap_threshold <= 0 and steps)
     avail = _mem_available()
     if est > args.mem_headroom * avail:
         return dict(rec, status="skipped", ranks=[],
