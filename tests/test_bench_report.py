@@ -340,3 +340,25 @@ def test_hf_report_shows_single_runs_beside_the_medians():
     assert f"| fsdp | 2 | 2.00 | {ratio:.2f} ({min(per_run):.2f}-{max(per_run):.2f}) |" in table
     user = table[table.index("As a user's loop sees it"):]
     assert "| fsdp | 2 | 2.00 | fsdptk | 9.00 |" in user and "| fsdp | 2 | 2.00 | **0.90** |" in user  # 0.7 missed
+
+
+def test_hf_probe_import_self_seconds_add_up_to_the_interpreters_cumulative_time():
+    """``--importtime``'s sum of self times over the modules an import brought in equals the
+    cumulative time the interpreter itself reports for that import (``python -X importtime``)."""
+    import subprocess
+
+    from benchmarks.hf_probe import import_self_seconds
+
+    log = subprocess.run([sys.executable, "-X", "importtime", "-c", "import json"], capture_output=True,
+                         text=True, check=True).stderr
+    rows = [line[len("import time:"):].split("|") for line in log.splitlines()
+            if line.startswith("import time:") and "self [us]" not in line]
+    end = max(i for i, r in enumerate(rows) if r[2].strip() == "json")
+    start = end
+    while start > 0 and rows[start - 1][2].startswith("  "):  # the modules json brought in
+        start -= 1
+    subtree = {r[2].strip() for r in rows[start:end + 1]}
+    assert len(subtree) > 3
+    # the interpreter rounds each line to a microsecond: at most 1 us per module apart
+    assert import_self_seconds(log, subtree) == pytest.approx(int(rows[end][1]) / 1e6, abs=1e-6 * len(subtree))
+    assert import_self_seconds(log, set()) == 0.0
