@@ -58,7 +58,9 @@ class Pool:
     def __init__(self, cap: int, expected: Iterable[int] = ()) -> None:
         self.cap = cap
         self._expected = Counter(expected)
-        self._blocks: dict[int, list[torch.Tensor]] = {}
+        self._blocks: dict[int, list[tuple[int, torch.Tensor]]] = {}  # size -> (creation number, block)
+        self._made = 0
+        self._knows = storage_users(torch.empty(0)) is not None  # this torch says who holds a storage
         self.reused = 0  # bytes served from reused blocks (for tests and profiles)
 
     def prepare(self, cap: int, expected: Iterable[int] = ()) -> None:
@@ -77,26 +79,37 @@ class Pool:
             n *= int(s)
         size = n * dtype.itemsize
         self._expected[size] -= 1
-        if size == 0 or storage_users(torch.empty(0)) is None:  # nothing to reuse, or no way to know
+        if size == 0 or not self._knows:  # nothing to reuse, or no way to know who holds a block
             return torch.empty(tuple(shape), dtype=dtype)
-        blocks = self._blocks.setdefault(size, [])
-        block = next((b for b in blocks if storage_users(b) == 1), None)
+        block = next((b for _, b in self._blocks.get(size, ()) if storage_users(b) == 1), None)
         if block is None:
             self._trim(size)
             block = torch.empty(size, dtype=torch.uint8)
-            blocks.append(block)
+            self._made += 1
+            self._blocks.setdefault(size, []).append((self._made, block))
         else:
             self.reused += size
         return block.view(dtype).view(tuple(shape))
 
+    def nbytes(self) -> int:
+        """The bytes of every block, free or held."""
+        return sum(size * len(bs) for size, bs in self._blocks.items())
+
     def _trim(self, new: int) -> None:
         """Drop free blocks while every block and ``new`` more bytes add up to over ``cap``: those no
         expected request needs first, then the oldest."""
-        free = [(size, b) for size, bs in self._blocks.items() for b in bs if storage_users(b) == 1]
-        total = sum(size * len(bs) for size, bs in self._blocks.items()) + new
-        free.sort(key=lambda x: self._expected[x[0]] > 0)  # stable: oldest first within each kind
-        for size, b in free:
+        total = self.nbytes() + new
+        if total <= self.cap:
+            return
+        free = [(self._expected[size] > 0, made, size) for size, bs in self._blocks.items()
+                for made, b in bs if storage_users(b) == 1]
+        gone: set[int] = set()
+        for _, made, size in sorted(free):  # not expected first, then the oldest
             if total <= self.cap:
                 break
-            self._blocks[size] = [x for x in self._blocks[size] if x is not b]
+            gone.add(made)
             total -= size
+        for size in list(self._blocks):
+            self._blocks[size] = [(m, b) for m, b in self._blocks[size] if m not in gone]
+            if not self._blocks[size]:
+                del self._blocks[size]
