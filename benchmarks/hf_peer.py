@@ -18,6 +18,14 @@ and the save beside the ideal. Checked in the run: the two methods' logits agree
 (``allclose``) and the two saved directories hold bit-identical tensors (the source
 checkpoint's: the step has lr 0); a mismatch marks the pair void.
 
+Clocks (``--clocks``): *warm*, both methods with the same modules imported before the clock (the
+union of theirs and the model's modeling module) and ``gc.collect()`` before it: the load's own
+work; *user* (issue 44), what a user's loop sees: both import what a script imports at its top
+for either call, no collection, each phase ``barrier, clock, call, barrier, clock``, and what
+either call imports on first use (transformers' modeling code: ~650 modules, most of a 2 GB load
+on two cores) inside the clock (``python -m benchmarks hf-probe`` measures each factor apart);
+*cold*, each method importing only its own modules, timed from the process start.
+
 Examples::
 
     python -m benchmarks hf --quick                        # smoke run: tiny model, 2 ranks, < 1 minute
@@ -366,7 +374,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="llama", choices=list(MODELS),
                    help="the checkpoint: a Llama, or a Qwen3-MoE-shaped model in the Hub layout (16 experts, one "
                         "tensor per expert)")
-    p.add_argument("--clocks", nargs="+", default=["warm", "cold"], choices=["warm", "cold", "user"],
+    p.add_argument("--clocks", nargs="+", default=["warm", "user", "cold"], choices=["warm", "cold", "user"],
                    help="user (issue 44, a user's loop): both methods import what a script imports at its top "
                         "(hf_worker.USER_IMPORTS), no gc.collect(), each phase timed barrier to barrier (the "
                         "slowest rank), what either call imports on first use inside the clock (run it with "

@@ -68,13 +68,16 @@ from typing import Any
 
 from .hf_worker import USER_IMPORTS, import_names
 
-__all__ = ["FLOOR", "ISSUE_IMPORTS", "ISSUE_SHAPE", "METHODS", "CellStats", "spread", "pair_ratios", "summarize",
+__all__ = ["FLOOR", "FLOOR_NOGC", "ISSUE_IMPORTS", "ISSUE_SHAPE", "METHODS", "CellStats", "spread", "pair_ratios", "summarize",
            "render", "parse_args", "main", "shape_of", "param_bytes", "import_self_seconds"]
 
 METHODS = ("transformers", "fsdptk")
 # --floor: the cost both calls share on first use in a fresh process, timed alone the same way:
 # importing transformers' modeling code for the model (what either call imports inside its clock)
 FLOOR = "imports-floor"
+# the same imports with the collector paused, as fsdptk.hf.from_pretrained runs them (it pauses it for the call)
+FLOOR_NOGC = "imports-floor-nogc"
+FLOORS = (FLOOR, FLOOR_NOGC)
 # The issue's model: hidden 2048 x 10 layers, a TinyLlama-like Llama (GQA 32 / 4 heads), 2.29 GB fp32
 ISSUE_SHAPE: dict[str, int] = {"hidden_size": 2048, "num_hidden_layers": 10, "intermediate_size": 5632,
                                "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000}
@@ -221,14 +224,15 @@ def summarize(records: list[dict[str, Any]]) -> dict[tuple[str, int], dict[str, 
     cells: dict[tuple[str, int], dict[str, Any]] = {}
     for rec in records:
         key = (rec["mesh"], rec["world"])
-        cell = cells.setdefault(key, {"values": {m: {} for m in (*METHODS, FLOOR)}, "failed": []})
+        cell = cells.setdefault(key, {"values": {m: {} for m in (*METHODS, *FLOORS)}, "failed": []})
         if rec["status"] != "ok":
             cell["failed"].append(f"{rec['method']} r{rec['repeat']}: {rec['status']}: {rec.get('error')}")
             continue
         cell["values"][rec["method"]][rec["repeat"]] = run_values(rec)
     for cell in cells.values():
         vals = cell["values"]
-        cell["stats"] = {m: {f: spread([v[f] for v in vals[m].values()]) for f in _FIELDS} for m in (*METHODS, FLOOR)}
+        cell["stats"] = {m: {f: spread([v[f] for v in vals[m].values()]) for f in _FIELDS}
+                         for m in (*METHODS, *FLOORS)}
         cell["ratio"], cell["ratio_of_medians"] = {}, {}
         for f in _FIELDS:
             ours = {r: v[f] for r, v in vals["fsdptk"].items()}
@@ -265,9 +269,9 @@ def render(results: dict[str, Any]) -> str:
               "| mesh | ranks | method | load s | save s | anon at load's peak GB | runs | load less its first-use "
               "imports s (--importtime) |", "|---|---|---|---|---|---|---|---|"]
     for (mesh, world), cell in sorted(summarize(records).items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        for m in (*METHODS, FLOOR):
+        for m in (*METHODS, *FLOORS):
             st = cell["stats"][m]
-            if m == FLOOR and st["load_s"] is None:
+            if m in FLOORS and st["load_s"] is None:
                 continue
             lines.append(f"| {mesh} | {world} | {m} | {_st(st['load_s'])} | {_st(st['save_s'])} | "
                          f"{_st(st['peak_anon'], scale=1e9)} | {st['load_s'].runs if st['load_s'] else 0} | "
@@ -452,7 +456,7 @@ def _order(args: argparse.Namespace, repeat: int) -> list[str]:
         order = list(METHODS[::-1])
     else:
         order = list(METHODS) if repeat % 2 == 0 else list(METHODS[::-1])
-    return order + ([FLOOR] if args.floor else [])
+    return order + (list(FLOORS) if args.floor else [])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -549,9 +553,18 @@ def _rank(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     from .measure import status_bytes
 
     path, f, t = spec["ckpt"], spec["dp_shard"], spec["tp"]
-    if spec["method"] == FLOOR:
+    if spec["method"] in FLOORS:
         def load() -> Any:
-            import transformers.models.llama.modeling_llama  # noqa: F401
+            import gc
+
+            paused = spec["method"] == FLOOR_NOGC and gc.isenabled()
+            if paused:
+                gc.disable()
+            try:
+                import transformers.models.llama.modeling_llama  # noqa: F401
+            finally:
+                if paused:
+                    gc.enable()
 
         def save(model: Any, where: str) -> None:
             pass
@@ -576,7 +589,12 @@ def _rank(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     rec["imported_in_load"] = sorted(set(sys.modules) - before)  # the call's first-use imports
     rec["anon_after"] = status_bytes("RssAnon")
     rec["rss_after"] = status_bytes("VmRSS")
-    if spec["method"] == FLOOR:
+    if not spec["save"]:  # (a collection would change the save's start) what the load left that is garbage
+        import gc
+
+        rec["gc_after_load"] = gc.collect()
+        rec["anon_after_collect"] = status_bytes("RssAnon")
+    if spec["method"] in FLOORS:
         return rec
     rec["local_numel"] = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
     if spec["save"]:
@@ -628,7 +646,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save", action="store_true", help="also time the save after the load")
     p.add_argument("--floor", action="store_true",
                    help="also time, in the same fresh world, what both calls share on first use: importing "
-                        "transformers' modeling code for the model (method imports-floor)")
+                        "transformers' modeling code for the model (method imports-floor), and the same with the "
+                        "collector paused, as fsdptk's call runs it (imports-floor-nogc)")
     factors = p.add_argument_group("factors (default: the issue's harness; the alternative: python -m benchmarks hf's)")
     factors.add_argument("--malloc", default="default", choices=["default", "mmap65536"],
                          help="glibc's default malloc, or MALLOC_MMAP_THRESHOLD_=65536 in every rank")
