@@ -479,6 +479,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         _read_files(ckpt)
                     spec = {"method": method, "ckpt": str(ckpt), "dp_shard": dims[0], "tp": dims[1],
                             "save": args.save, "gc": args.gc, "imports": args.imports, "clock": args.clock,
+                            "fsdptk_gc": args.fsdptk_gc,
                             "threads": args.threads}
                     out = work / "runs" / f"{mesh}-w{world}-r{rep}-{method}"
                     shutil.rmtree(out, ignore_errors=True)
@@ -492,7 +493,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from .hf_peer import _git_commit, _versions
 
     factors = {k: getattr(args, k) for k in ("malloc", "gc", "order", "imports", "clock", "page_cache", "threads",
-                                             "sample_ms")}
+                                             "sample_ms", "fsdptk_gc")}
     meta = {"command": "python -m benchmarks hf-probe " + " ".join(args.argv), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
             "commit": _git_commit(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
             "versions": _versions(), "shape": shape, "model_bytes": param_bytes(shape), "factors": factors,
@@ -553,6 +554,8 @@ def _rank(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     from .measure import status_bytes
 
     path, f, t = spec["ckpt"], spec["dp_shard"], spec["tp"]
+    if spec.get("fsdptk_gc", "pause") != "pause":
+        _swap_gc_pause(spec["fsdptk_gc"])
     if spec["method"] in FLOORS:
         def load() -> Any:
             import gc
@@ -601,6 +604,28 @@ def _rank(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         where = str(Path(spec["out_dir"]) / "saved")
         _, (_, _, rec["save_s"]) = _timed(lambda: save(model, where), dist, spec)
     return rec
+
+
+def _swap_gc_pause(mode: str) -> None:
+    """An experiment on fsdptk's own call (``--fsdptk-gc``): instead of pausing the collector for
+    the call (``gc.disable()``, what the library does), leave it on (``on``) or freeze what exists
+    when the call starts (``freeze``: ``gc.freeze()``, so collections during the call examine only
+    the objects it makes, and free the garbage of its imports as they go)."""
+    import contextlib
+    import gc
+    from collections.abc import Iterator
+
+    import fsdptk.hf.pretrained as pretrained
+
+    @contextlib.contextmanager
+    def frozen() -> Iterator[None]:
+        gc.freeze()
+        try:
+            yield
+        finally:
+            gc.unfreeze()
+
+    pretrained._gc_paused = contextlib.nullcontext if mode == "on" else frozen  # type: ignore[assignment]
 
 
 def _timed(fn: Any, dist: Any, spec: dict[str, Any]) -> tuple[Any, tuple[float, float, float]]:
@@ -667,6 +692,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--importtime", action="store_true",
                    help="run the ranks under python -X importtime and report each load's time less the self time "
                         "of the modules it imported inside its clock (the shared first-use imports)")
+    p.add_argument("--fsdptk-gc", default="pause", choices=["pause", "on", "freeze"],
+                   help="an experiment on fsdptk's call only: pause: the collector paused for the call (the "
+                        "library's own behaviour); on: left on; freeze: gc.freeze() at the call's start, so "
+                        "collections examine only what the call makes")
     p.add_argument("--sample-ms", type=float, default=2.0,
                    help="period of the driver's RssAnon sampling of every rank (0: off, no peak)")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "fsdptk-hf-probe"))
