@@ -40,7 +40,20 @@ from tests.test_hf_moe import build_reference  # noqa: E402 - after the skips
 _LR = 0.5
 _EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 # family -> (world size, ParallelDims kwargs or None for the default FSDP over every rank)
-CASES = {"qwen3_moe": (2, None), "mixtral": (4, {"dp_replicate": 2, "dp_shard": 2})}
+CASES = {"qwen3_moe": (2, None), "mixtral": (4, {"dp_replicate": 2, "dp_shard": 2}), "deepseek_v3": (2, None),
+         "gpt_oss": (2, None)}
+# the other MoE families of transformers 5 whose fused experts PEFT 0.21's ParamWrapper reaches
+# (tests/test_moe_families.py's tiny configs), under FSDP at 2 ranks
+MORE = ["minimax", "qwen2_moe", "deepseek_v2", "glm4_moe", "olmoe", "ernie4_5_moe", "dots1"]
+CASES.update(dict.fromkeys(MORE, (2, None)))
+
+
+def _src(tmp_path_factory, family: str) -> str:
+    if family in MORE:
+        from tests.test_moe_families import _hub
+
+        return _hub(tmp_path_factory, family)[0]
+    return str(build_reference(tmp_path_factory, family)["src"])
 
 
 def _lora():
@@ -132,7 +145,7 @@ def test_lora_on_the_experts_loads_trains_and_saves_as_peft(world, tmp_path_fact
     from safetensors import safe_open
 
     n, dims = CASES[family]
-    src = str(build_reference(tmp_path_factory, family)["src"])
+    src = _src(tmp_path_factory, family)
     judge = _judge(src, tmp_path_factory, family, n)
     assert any(".experts.lora_A" in k for k in judge["adapters"])
     out = tmp_path_factory.mktemp(f"{family}_ours")
