@@ -467,6 +467,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.monotonic()
     ckpt, written = _prepare(shape, work, args.timeout, args.rewrite)
     records: list[dict[str, Any]] = []
+    from .hf_peer import _git_commit, _versions
+
+    versions, commit = _versions(), _git_commit()
+    factors = {k: getattr(args, k) for k in ("malloc", "gc", "order", "imports", "clock", "page_cache", "threads",
+                                             "sample_ms", "fsdptk_gc")}
+
+    def meta(partial: bool) -> dict[str, Any]:
+        return {"command": "python -m benchmarks hf-probe " + " ".join(args.argv),
+                "date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": commit, "cpus": os.cpu_count(),
+                "python": sys.version.split()[0], "versions": versions, "shape": shape,
+                "model_bytes": param_bytes(shape), "factors": factors, "checkpoint_written_by_this_run": written,
+                "loadavg_before": list(load_before), "loadavg_end": list(os.getloadavg()),
+                "seconds": time.monotonic() - t_start, "partial": partial}
+
     for world in args.worlds:
         for mesh in args.meshes:
             dims = _mesh_dims(mesh, world)
@@ -488,18 +502,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     records.append(rec)
                     _progress(rec)
                     shutil.rmtree(out / "saved", ignore_errors=True)
+                    if args.json:  # what has run so far survives an interrupted run
+                        _write(args.json, {"records": records, "meta": meta(partial=True)})
     if not args.keep:
         shutil.rmtree(work / "runs", ignore_errors=True)
-    from .hf_peer import _git_commit, _versions
-
-    factors = {k: getattr(args, k) for k in ("malloc", "gc", "order", "imports", "clock", "page_cache", "threads",
-                                             "sample_ms", "fsdptk_gc")}
-    meta = {"command": "python -m benchmarks hf-probe " + " ".join(args.argv), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
-            "commit": _git_commit(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
-            "versions": _versions(), "shape": shape, "model_bytes": param_bytes(shape), "factors": factors,
-            "checkpoint_written_by_this_run": written, "loadavg_before": list(load_before), "loadavg_end": list(os.getloadavg()),
-            "seconds": time.monotonic() - t_start}
-    return {"records": records, "meta": meta}
+    return {"records": records, "meta": meta(partial=False)}
 
 
 def _progress(rec: dict[str, Any]) -> None:
@@ -714,6 +721,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _write(path: str, results: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
@@ -724,8 +738,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         results = run(args)
         if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+            _write(args.json, results)
             print(f"[probe] results: {args.json}", flush=True)
     meta = results["meta"]
     print(f"\n{meta['command']} ({meta['date']}, {meta['model_bytes'] / 1e9:.2f} GB, factors {meta['factors']}, "
