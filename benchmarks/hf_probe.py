@@ -471,7 +471,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     versions, commit = _versions(), _git_commit()
     factors = {k: getattr(args, k) for k in ("malloc", "gc", "order", "imports", "clock", "page_cache", "threads",
-                                             "sample_ms", "fsdptk_gc")}
+                                             "sample_ms", "fsdptk_gc", "writers", "max_shard_size")}
 
     def meta(partial: bool) -> dict[str, Any]:
         return {"command": "python -m benchmarks hf-probe " + " ".join(args.argv),
@@ -493,7 +493,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         _read_files(ckpt)
                     spec = {"method": method, "ckpt": str(ckpt), "dp_shard": dims[0], "tp": dims[1],
                             "save": args.save, "gc": args.gc, "imports": args.imports, "clock": args.clock,
-                            "fsdptk_gc": args.fsdptk_gc,
+                            "fsdptk_gc": args.fsdptk_gc, "writers": args.writers,
+                            "max_shard_size": args.max_shard_size,
                             "threads": args.threads}
                     out = work / "runs" / f"{mesh}-w{world}-r{rep}-{method}"
                     shutil.rmtree(out, ignore_errors=True)
@@ -590,7 +591,8 @@ def _rank(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             return fsdptk.hf.from_pretrained(path, dims=fsdptk.ParallelDims(dp_shard=f, tp=t), dtype=torch.float32)
 
         def save(model: Any, where: str) -> None:
-            fsdptk.save_safetensors(model, where)
+            fsdptk.save_safetensors(model, where, writers=spec.get("writers", 1),
+                                    max_shard_size=spec.get("max_shard_size", "5GB"))
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     rec: dict[str, Any] = {"rank": rank, "threads": torch.get_num_threads(), "anon_before": status_bytes("RssAnon")}
@@ -676,6 +678,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--meshes", nargs="+", default=["fsdp"], choices=["fsdp", "fsdp-tp2"])
     p.add_argument("--repeats", type=int, default=3, help="runs of each method per cell")
     p.add_argument("--save", action="store_true", help="also time the save after the load")
+    p.add_argument("--writers", type=int, default=1,
+                   help="fsdptk's save: save_safetensors(writers=N) (1: its default, one file written by rank 0)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="fsdptk's save: save_safetensors(max_shard_size=...) (with --writers > 1, small enough that "
+                        "there is a file per writer)")
     p.add_argument("--floor", action="store_true",
                    help="also time, in the same fresh world, what both calls share on first use: importing "
                         "transformers' modeling code for the model (method imports-floor), and the same with the "
