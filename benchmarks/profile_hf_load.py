@@ -94,6 +94,10 @@ def main() -> None:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (FSDP over the other ranks)")
     p.add_argument("--dump", default=None, help="also write rank 0's raw profile here (pstats format)")
+    p.add_argument("--imports", default="union", choices=["union", "user"],
+                   help="what is imported before the load: the warm clock's union, or the user clock's "
+                        "(hf_worker.USER_IMPORTS: the model's modeling code is then imported inside fsdptk's first "
+                        "load; --phases imports it for transformers' timers, so compare the two methods with union)")
     p.add_argument("--phases", type=int, default=0, metavar="N",
                    help="no cProfile: time the load N times with timers around each step")
     args = p.parse_args()
@@ -104,7 +108,7 @@ def main() -> None:
     from benchmarks.hf_worker import preclock_imports
 
     torch.set_num_threads(1)
-    preclock_imports({"imports": "union", "method": args.method, "arch": "llama"})
+    preclock_imports({"imports": args.imports, "method": args.method, "arch": "llama"})
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     if args.method == "transformers":
