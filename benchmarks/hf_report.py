@@ -458,7 +458,11 @@ def section(results: dict[str, Any], *, source: str, notes: str, pngs: list[Path
              "in the page cache when the runs read it). Every rank: imports and `init_process_group` (reported, not "
              "part of the load), then between barriers, each phase timed on every rank from the call to its return "
              "(the max over ranks is shown):\n",
-             "1. **load**: the call above, setup included (config, meta model, mesh, TP, FSDP, reading the weights);",
+             "1. **load**: the call above, setup included (config, meta model, mesh, TP, FSDP, reading the weights); "
+             "on the *warm* clock both methods have imported the same modules (the union of theirs and the model's "
+             "modeling module) and run `gc.collect()` before it; on the *user* clock (issue 44, when the run has it: "
+             "tables of their own below) they have imported only what a script imports for either call, the "
+             "modeling code is imported inside the call, no collection, and the clock runs barrier to barrier;",
              f"2. **first forward**: `model(input_ids=batch)` under `no_grad`, batch {meta['batch'][0]} x "
              f"{meta['batch'][1]} tokens, the same on every rank (transformers' loaded shards are views of the file "
              "mapping, read in the first forward: compare *load + first forward*);",
