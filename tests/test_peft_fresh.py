@@ -29,17 +29,24 @@ from fsdptk.testing import RemoteError  # noqa: E402
 from tests.test_hf_moe import build_reference  # noqa: E402 - after the skips
 
 _SEED, _LR = 5, 0.5
+_QB = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"
 _EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
-# family -> (LoraConfig kwargs, world size, ParallelDims kwargs or None)
-CASES = {
-    "llama": (dict(target_modules=["q_proj", "v_proj", "down_proj"]), 2, None),
-    "qwen3_moe": (dict(target_modules=["q_proj"], target_parameters=_EXPERTS), 4,
-                  {"dp_replicate": 2, "dp_shard": 2}),
+# family -> LoraConfig kwargs
+LORAS = {
+    "llama": dict(target_modules=["q_proj", "v_proj", "down_proj"]),
+    "qwen3_moe": dict(target_modules=["q_proj"], target_parameters=_EXPERTS),
 }
+# (family, order: PEFT "before" or "after" shard_model, world size, ParallelDims kwargs or None)
+CASES = [
+    ("llama", "before", 2, None),
+    ("qwen3_moe", "before", 4, {"dp_replicate": 2, "dp_shard": 2}),
+    ("llama", "after", 2, {"dp_shard": 2}),  # a named mesh: PEFT sizes LoRA from the local shard
+    ("llama", "after", 4, {"dp_replicate": 2, "dp_shard": 2}),
+]
 
 
 def _lora(family: str, **extra):
-    return peft.LoraConfig(r=4, lora_alpha=8, **{**CASES[family][0], **extra})
+    return peft.LoraConfig(r=4, lora_alpha=8, **{**LORAS[family], **extra})
 
 
 def _llama_reference(tmp_path_factory) -> dict:
@@ -107,20 +114,34 @@ def _record_init():
     return built, loads, restore
 
 
-def _fresh(family: str, src: str, dims) -> dict:
-    """On every rank: PEFT before sharding, base load, init_adapters, one SGD step on own rows."""
+def _fresh(family: str, src: str, dims, order: str, out: str) -> dict:
+    """On every rank, PEFT ``order`` ("before" / "after") shard_model: base load, init_adapters, one
+    SGD step on own rows, save_adapter to ``out``."""
     import torch.distributed as dist
 
     from fsdptk import load_safetensors, shard_model, validate_no_params_on_meta_device
-    from fsdptk.hf import init_adapters, no_split_modules
+    from fsdptk.hf import init_adapters, no_split_modules, save_adapter
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = _meta_peft(src, _lora(family))
     pd = _mesh(dims)
-    shard_model(model, no_split_modules(model), cpu_offload=False,
-                dp_mesh=pd.fsdp_mesh if pd else None)
-    load_safetensors(model, src, strict=True)
-    on_meta = sorted(n for n, p in model.named_parameters() if p.is_meta)
+    if order == "before":
+        model = _meta_peft(src, _lora(family))
+        shard_model(model, no_split_modules(model), cpu_offload=False,
+                    dp_mesh=pd.fsdp_mesh if pd else None)
+        load_safetensors(model, src, strict=True)
+        on_meta = sorted(n for n, p in model.named_parameters() if p.is_meta)
+        peft_shapes: dict = {}
+    else:
+        config = transformers.AutoConfig.from_pretrained(src)
+        with torch.device("meta"):
+            base = transformers.AutoModelForCausalLM.from_config(config)
+        shard_model(base, no_split_modules(base), cpu_offload=False,
+                    dp_mesh=pd.fsdp_mesh if pd else None)
+        load_safetensors(base, src, strict=True)
+        torch.manual_seed(2000 + rank)  # PEFT draws each rank's own values
+        model = peft.get_peft_model(base, _lora(family))
+        on_meta = sorted(n for n, p in model.named_parameters() if p.is_meta)
+        peft_shapes = {n: list(p.shape) for n, p in model.named_parameters() if "lora_" in n}
     torch.manual_seed(1000 + rank)  # every rank a different generator: no difference
     state = torch.random.get_rng_state()
     built, loads, restore = _record_init()
@@ -139,8 +160,9 @@ def _fresh(family: str, src: str, dims) -> dict:
     opt.step()
     with torch.no_grad():
         whole = model(input_ids=batch, labels=batch).loss.item()
+    save_adapter(model, out)
     return {"on_meta_before": on_meta, "keys": keys, "rng_kept": rng_kept, "attached": attached,
-            "built": built, "loads": loads,
+            "built": built, "loads": loads, "peft_shapes": peft_shapes,
             "stepped": _full_adapters(model), "trainable": trainable, "whole_loss": whole}
 
 
@@ -157,7 +179,23 @@ def _judge(family: str, src: str) -> dict:
     with torch.no_grad():
         whole = model(input_ids=batch, labels=batch).loss.item()
     return {"attached": attached, "stepped": _full_adapters(model), "whole_loss": whole,
-            "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad)}
+            "trainable": sorted(n for n, p in model.named_parameters() if p.requires_grad),
+            "model": model}
+
+
+def _peft_save(model, weights: dict[str, torch.Tensor], path) -> tuple[dict, dict]:
+    """PEFT's own save_pretrained of ``model`` holding ``weights``: (tensors, config)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in weights:
+                p.copy_(weights[n])
+    model.save_pretrained(path)
+    return (load_file(f"{path}/adapter_model.safetensors"),
+            json.loads((path / "adapter_config.json").read_text()))
 
 
 def _source(tmp_path_factory, family: str) -> str:
@@ -166,17 +204,26 @@ def _source(tmp_path_factory, family: str) -> str:
     return str(ref["src"])
 
 
-@pytest.mark.parametrize("family", list(CASES))
-def test_fresh_adapters_are_peft_init_on_every_rank_before_and_after_a_step(world, tmp_path_factory,
-                                                                            family) -> None:
+@pytest.mark.parametrize(("family", "order", "n", "dims"), CASES,
+                         ids=[f"{f}-{o}-{n}" for f, o, n, _ in CASES])
+def test_fresh_adapters_are_peft_init_on_every_rank_before_and_after_a_step(
+        world, tmp_path_factory, family, order, n, dims) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
     src = _source(tmp_path_factory, family)
     judge = _judge(family, src)
-    n, dims = CASES[family][1], CASES[family][2]
-    results = world(n).run(_fresh, family, src, dims, timeout=240)
+    out = tmp_path_factory.mktemp("saved")
+    results = world(n).run(_fresh, family, src, dims, order, str(out), timeout=240)
     assert any(".experts." in k for k in judge["attached"]) == (family == "qwen3_moe")
     for rank, r in enumerate(results):
-        assert r["on_meta_before"] and all("lora_" in k for k in r["on_meta_before"]), (
-            rank, "the adapters are on meta after the base load until init_adapters")
+        if order == "before":
+            assert r["on_meta_before"] and all("lora_" in k for k in r["on_meta_before"]), (
+                rank, "the adapters are on meta after the base load until init_adapters")
+        else:  # PEFT's own per-rank values; on a named mesh at the local shard's shape
+            assert not r["on_meta_before"], rank
+            assert r["peft_shapes"][_QB] == [64 // dims["dp_shard"], 4], (rank, r["peft_shapes"][_QB])
         assert r["rng_kept"], rank
         # rank 0 alone builds the adapters; one load from rank 0 moves exactly the adapter keys
         assert r["built"] == ([len(judge["attached"])] if rank == 0 else []), (rank, r["built"])
@@ -193,10 +240,23 @@ def test_fresh_adapters_are_peft_init_on_every_rank_before_and_after_a_step(worl
         assert abs(r["whole_loss"] - judge["whole_loss"]) < 1e-5, (rank, r["whole_loss"])
     moved = [k for k in judge["stepped"] if not torch.equal(judge["stepped"][k], judge["attached"][k])]
     assert any("lora_B" in k for k in moved), "the step changed the adapters (B starts at zero)"
+    # save_adapter writes what PEFT's save_pretrained writes of the same (rank 0's trained) weights
+    want, want_config = _peft_save(judge["model"], results[0]["stepped"], tmp_path_factory.mktemp("p"))
+    got = load_file(f"{out}/adapter_model.safetensors")
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    got_config = json.loads((out / "adapter_config.json").read_text())
+    skip = {"base_model_name_or_path"}  # the judge's from_pretrained path; fsdptk's from the config
+    sets = {"target_modules", "target_parameters"}  # PEFT's sets: saved in each process's hash order
+    assert {k: v for k, v in got_config.items() if k not in skip | sets} == {
+        k: v for k, v in want_config.items() if k not in skip | sets}
+    for k in sets:
+        assert sorted(got_config[k] or []) == sorted(want_config[k] or []), k
 
 
-def _after_sharding(src: str) -> dict:
-    """PEFT after shard_model on a named mesh: init_adapters refuses, adapters untouched."""
+def _refused_after_sharding(src: str, case: str) -> dict:
+    """PEFT after shard_model where init_adapters still refuses: a model that already ran a forward
+    (FSDP2's lazy init collected its units), LoRA on parameters (PEFT's ParamWrapper)."""
     from fsdptk import load_safetensors, shard_model
     from fsdptk.hf import init_adapters, no_split_modules
 
@@ -206,24 +266,38 @@ def _after_sharding(src: str) -> dict:
     pd = _mesh({"dp_shard": 2})
     shard_model(base, no_split_modules(base), cpu_offload=False, dp_mesh=pd.fsdp_mesh)
     load_safetensors(base, src, strict=True)
-    model = peft.get_peft_model(base, _lora("llama"))
+    if case == "forward":
+        base(input_ids=_batch())
+        lora = _lora("llama")
+    else:
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[],
+                               target_parameters=["mlp.down_proj.weight"])
+    model = peft.get_peft_model(base, lora)
     before = _full_adapters(model)
     try:
         init_adapters(model, seed=_SEED)
-    except ValueError as e:
+    except (ValueError, NotImplementedError) as e:
         after = _full_adapters(model)
-        return {"error": str(e), "unchanged": all(torch.equal(before[k], after[k]) for k in before)}
+        return {"error": f"{type(e).__name__}: {e}", "unchanged": sorted(before) == sorted(after)
+                and all(torch.equal(before[k], after[k]) for k in before)}
     return {"error": None}
 
 
-def test_adapters_attached_after_sharding_are_refused_on_every_rank(world, tmp_path_factory) -> None:
+@pytest.mark.parametrize(("case", "needle"), [
+    ("forward", "ValueError: adapter tensor 'base_model.model.model.layers.0.self_attn.q_proj"
+                ".lora_A.default.weight' (shape [4, 64]) is a plain tensor of a sharded model, and "
+                "the model already ran a forward"),
+    ("param_wrapper", "NotImplementedError: adapter tensor 'base_model.model.model.layers.0.mlp."
+                      "down_proj.lora_A.default.weight'"),
+], ids=["forward", "param_wrapper"])
+def test_adapters_attached_after_sharding_still_refused_on_every_rank(world, tmp_path_factory, case,
+                                                                      needle) -> None:
     src = _source(tmp_path_factory, "llama")
-    for rank, r in enumerate(world(2).run(_after_sharding, src, timeout=180)):
-        assert r["error"] is not None, rank
-        # q_proj's weight (64, 64) has 32 local rows: PEFT made lora_B (32, 4), not (64, 4)
-        assert "q_proj.lora_B.default.weight" in r["error"], r["error"]
-        assert "shape [32, 4]" in r["error"] and "gives [64, 4]" in r["error"], r["error"]
-        assert "before shard_model" in r["error"] and r["unchanged"], rank
+    for rank, r in enumerate(world(2).run(_refused_after_sharding, src, case, timeout=180)):
+        assert r["error"] is not None and r["error"].startswith(needle), (rank, r["error"])
+        assert "before the first forward" in r["error"] if case == "forward" else (
+            "ParamWrapper" in r["error"] and "peft#3080" in r["error"]), r["error"]
+        assert r["unchanged"], rank
 
 
 def _dora(src: str) -> None:

@@ -22,7 +22,8 @@ from torch import nn
 
 from fsdptk._plans.peft import adapter_file_names, require_adapter
 
-__all__ = ["FRESH_INITS", "fresh_adapter_plan", "fresh_adapter_state", "fresh_keys"]
+__all__ = ["FRESH_INITS", "attach_plan", "attach_units", "fresh_adapter_plan", "fresh_adapter_state",
+           "fresh_keys"]
 
 FRESH_INITS = (True, False, "gaussian")
 
@@ -56,15 +57,8 @@ def fresh_adapter_plan(model: nn.Module, adapter_names: list[str]) -> list[tuple
         TypeError / KeyError: see :func:`require_adapter`.
         NotImplementedError: an adapter tensor that is not a LoRA factor of ``nn.Linear`` form, or
             an ``init_lora_weights`` that needs the base weights (names the key or the value).
-        ValueError: a sharded model whose adapter tensors no FSDP unit manages (``get_peft_model``
-            after ``shard_model``; names the key, its shape and the full shape).
     """
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
     plan: list[tuple[str, Any, str, Any]] = []
-    unmanaged: list[tuple[str, torch.Tensor, Any, str, str]] = []
-    sharded = any(isinstance(m, FSDPModule) for m in model.modules())
     for adapter in adapter_names:
         config = require_adapter(model, adapter)
         init = getattr(config, "init_lora_weights", None)
@@ -77,16 +71,10 @@ def fresh_adapter_plan(model: nn.Module, adapter_names: list[str]) -> list[tuple
         for name, layer in layers:
             prefix = f"{name}." if name else ""
             for part in ("lora_A", "lora_B"):
-                for pname, p in getattr(layer, part)[adapter].named_parameters():
+                for pname, _ in getattr(layer, part)[adapter].named_parameters():
                     fqn = f"{prefix}{part}.{adapter}.{pname}"
                     covered.add(fqn)
-                    if sharded and not isinstance(p, DTensor):
-                        unmanaged.append((fqn, p, layer, part, adapter))
             plan.append((name, layer, adapter, init))
-        if unmanaged:  # the first whose shape is wrong, else the first
-            notes = [_unmanaged(*u) for u in unmanaged]
-            raise ValueError(next((n for n in notes if "full shape" in n), notes[0])
-                             + f" ({len(unmanaged)} adapter tensors are unmanaged)")
         left = sorted(set(adapter_file_names(model, adapter, embeddings=False).values()) - covered)
         if left:
             raise NotImplementedError(
@@ -96,19 +84,113 @@ def fresh_adapter_plan(model: nn.Module, adapter_names: list[str]) -> list[tuple
     return plan
 
 
-def _unmanaged(fqn: str, p: torch.Tensor, layer: Any, part: str, adapter: str) -> str:
-    base = getattr(layer.get_base_layer(), "weight", None)
-    want = ""
-    if base is not None and base.ndim == 2 and not hasattr(layer, "parameter_name"):
+def _unit_of(model: nn.Module, fqn: str) -> Any:
+    """The FSDP unit whose parameters include the module at ``fqn``: its nearest ``FSDPModule``
+    ancestor, itself included (``None`` if none)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    parts = fqn.split(".") if fqn else []
+    for i in range(len(parts), -1, -1):
+        mod = model.get_submodule(".".join(parts[:i]))
+        if isinstance(mod, FSDPModule):
+            return mod
+    return None
+
+
+def _ran_forward(model: nn.Module) -> bool:
+    """Whether FSDP2's lazy init ran (the root's first forward collected the model's units)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(m._get_fsdp_state()._is_root is not None
+               for m in model.modules() if isinstance(m, FSDPModule))
+
+
+def attach_plan(model: nn.Module, plan: list[tuple[str, Any, str, Any]]
+                ) -> list[tuple[str, Any, str, dict[str, Any]]]:
+    """``(layer fqn, layer, adapter, fully_shard kwargs)`` of the LoRA layers of ``plan`` whose
+    factors no FSDP unit manages (``get_peft_model`` ran after ``shard_model``), checked first
+    (nothing changes): each pair of factors becomes two FSDP units of their own at the full shapes,
+    on the mesh and policies of the base layer's unit (see :func:`attach_units`).
+
+    Raises:
+        ValueError: the model already ran a forward (FSDP2's lazy init collected its units at the
+            root's first forward; a unit added now would never be reduced), or a LoRA layer whose
+            base layer no FSDP unit manages; names the key.
+        NotImplementedError: LoRA on parameters (``target_parameters``, PEFT's ``ParamWrapper``),
+            a base layer that is not an ``nn.Linear`` or whose weight is not sharded by its unit
+            alone (tensor parallel); names the key.
+    """
+    from peft.tuners.lora.layer import ParamWrapper
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return []
+    out: list[tuple[str, Any, str, dict[str, Any]]] = []
+    for name, layer, adapter, _ in plan:
+        params = [(f"{name}.{part}.{adapter}.{pname}" if name else f"{part}.{adapter}.{pname}", p)
+                  for part in ("lora_A", "lora_B")
+                  for pname, p in getattr(layer, part)[adapter].named_parameters()]
+        plain = [(fqn, p) for fqn, p in params if not isinstance(p, DTensor)]
+        if not plain:
+            continue
+        fqn, p = plain[0]
+        where = f"adapter tensor {fqn!r} (shape {list(p.shape)}) is a plain tensor of a sharded model"
+        if _ran_forward(model):
+            raise ValueError(
+                f"{where}, and the model already ran a forward: FSDP2 collected its units at the "
+                "root's first forward, so init_adapters cannot make the adapters FSDP units (their "
+                "gradients would never be reduced). Call peft.get_peft_model and init_adapters "
+                "before the first forward")
+        if isinstance(layer, ParamWrapper):
+            raise NotImplementedError(
+                f"{where}: LoRA on parameters (target_parameters, PEFT's ParamWrapper) attached after "
+                "shard_model cannot be made FSDP-managed (its factors are not FSDP units of their "
+                "own, peft#3080). Call peft.get_peft_model on the meta-built model before "
+                "shard_model, then init_adapters after the base load")
+        base = layer.get_base_layer()
+        weight = getattr(base, "weight", None)
+        if not isinstance(base, nn.Linear) or weight is None or weight.ndim != 2:
+            raise NotImplementedError(
+                f"{where}: its base layer is a {type(base).__name__}, and only LoRA on nn.Linear "
+                "layers attached after shard_model is made FSDP-managed; call peft.get_peft_model "
+                "before shard_model")
+        base_fqn = f"{name}.base_layer" if name else "base_layer"
+        unit = _unit_of(model, base_fqn)
+        group = unit._get_fsdp_state()._fsdp_param_group if unit is not None else None
+        if group is None:
+            raise ValueError(f"{where}: no FSDP unit manages its base layer {base_fqn!r}; shard it "
+                             "with shard_model (or call peft.get_peft_model before shard_model)")
+        mesh = group.mesh_info.mesh
+        if not isinstance(weight, DTensor) or weight.device_mesh != mesh:
+            raise NotImplementedError(
+                f"{where}: its base layer's weight is not sharded by its FSDP unit's mesh alone "
+                "(tensor parallel, or a parameter FSDP ignores); call peft.get_peft_model before "
+                "apply_tp / shard_model")
+        out.append((name, layer, adapter, {
+            "mesh": mesh, "reshard_after_forward": group.post_forward_mesh_info is not None,
+            "mp_policy": group.mp_policy, "offload_policy": group.offload_policy}))
+    return out
+
+
+def attach_units(attach: list[tuple[str, Any, str, dict[str, Any]]]) -> None:
+    """Replace each factor of ``attach`` by an ``nn.Linear`` on ``meta`` at its full shape
+    (``lora_A``: ``(r, in_features)``, ``lora_B``: ``(out_features, r)`` of the base layer's full
+    weight; bias, dtype and ``requires_grad`` kept) and ``fully_shard`` it with its kwargs: an FSDP
+    unit of its own, sharded and reduced as the base layer's unit is."""
+    from torch.distributed.fsdp import fully_shard
+
+    for _, layer, adapter, kwargs in attach:
+        out_f, in_f = layer.get_base_layer().weight.shape
         r = layer.r[adapter]
-        full = (r, base.shape[1]) if part == "lora_A" else (base.shape[0], r)
-        if tuple(p.shape) != full:
-            want = f"; the base layer's full shape {list(base.shape)} gives {list(full)}"
-    return (f"adapter tensor {fqn!r} (shape {list(p.shape)}{want}) is a plain tensor of a sharded "
-            "model that no FSDP unit manages: peft.get_peft_model ran after shard_model, so each rank "
-            "would train its own copy (PEFT sizes LoRA from the local shard unless the mesh dim is "
-            "named 'fsdp'). Call get_peft_model on the meta-built model before shard_model, then "
-            "fsdptk.hf.init_adapters after the base load")
+        for part, shape in (("lora_A", (r, in_f)), ("lora_B", (out_f, r))):
+            old = getattr(layer, part)[adapter]
+            new = nn.Linear(shape[1], shape[0], bias=old.bias is not None, device="meta",
+                            dtype=old.weight.dtype)
+            for pname, p in new.named_parameters():
+                p.requires_grad_(getattr(old, pname).requires_grad)
+            fully_shard(new, **kwargs)
+            getattr(layer, part)[adapter] = new
 
 
 def fresh_adapter_state(plan: list[tuple[str, Any, str, Any]], seed: int) -> dict[str, torch.Tensor]:

@@ -254,20 +254,27 @@ def init_adapters(
     from fsdptk._core.arguments import agree_arguments
     from fsdptk._core.dist import is_rank0, run_agreed, world
     from fsdptk._plans import peft as _peft
-    from fsdptk._plans.peft_fresh import fresh_adapter_plan, fresh_adapter_state, fresh_keys
+    from fsdptk._plans.peft_fresh import (
+        attach_plan,
+        attach_units,
+        fresh_adapter_plan,
+        fresh_adapter_state,
+        fresh_keys,
+    )
     from fsdptk.state_dict import load_from_full_model_state_dict
 
     agree_arguments("init_adapters", seed=seed, adapter_name=adapter_name, bucket_bytes=bucket_bytes)
 
-    def plan_it() -> list:
+    def plan_it() -> tuple[list, list]:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         configs = _peft.peft_configs(model) if isinstance(model, nn.Module) else None
-        if adapter_name is not None:
-            return fresh_adapter_plan(model, [adapter_name])
-        return fresh_adapter_plan(model, list(configs) if configs else ["default"])
+        names = [adapter_name] if adapter_name is not None else list(configs) if configs else ["default"]
+        plan = fresh_adapter_plan(model, names)
+        return plan, attach_plan(model, plan)
 
-    plan = run_agreed(plan_it)  # every rank checks the same model alike
+    plan, attach = run_agreed(plan_it)  # every rank checks the same model alike
+    attach_units(attach)  # adapters attached after shard_model: FSDP units at their full shapes
     distributed = world()[0] > 1
     full_sd = fresh_adapter_state(plan, seed) if is_rank0() or not distributed else {}
     load_from_full_model_state_dict(model, full_sd, _device(model) if device is None else device,
