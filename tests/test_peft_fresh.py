@@ -1,7 +1,9 @@
 """Fresh PEFT adapters under FSDP2 (issue 43, item 2): ``fsdptk.hf.init_adapters``.
 
 The usual start of a LoRA fine-tune: meta build -> ``peft.get_peft_model`` -> ``shard_model`` ->
-base load -> ``init_adapters(model, seed=s)``. Judge: PEFT's own ``get_peft_model`` in one process
+base load -> ``init_adapters(model, seed=s)``, or PEFT after sharding: meta build -> ``shard_model``
+-> base load -> ``get_peft_model`` -> ``init_adapters`` (Llama at 2 ranks FSDP on a named mesh, where
+PEFT sizes LoRA from the local shard, and at 4 ranks HSDP 2 x 2). Judge: PEFT's own ``get_peft_model`` in one process
 after ``torch.manual_seed(s)`` on the same base (transformers' ``from_pretrained``), for Llama (LoRA
 on linear layers, FSDP at 2 ranks) and Qwen3-MoE (LoRA on attention and on the fused experts through
 ``target_parameters``, HSDP 2 x 2 at 4 ranks):
@@ -12,9 +14,11 @@ on linear layers, FSDP at 2 ranks) and Qwen3-MoE (LoRA on attention and on the f
 - after one SGD step on each rank's own rows, every rank's full adapters are the same and equal
   PEFT's after one step on the whole batch (FSDP reduced the adapters' gradients), and the loss of
   the whole batch is PEFT's;
-- ``get_peft_model`` after ``shard_model`` on a named mesh (PEFT sized LoRA from the local shard,
-  plain per-rank Parameters) is one ValueError on every rank naming the key and both shapes, the
-  adapters untouched; DoRA (its magnitude needs the base weights) a NotImplementedError.
+- ``save_adapter`` then writes what PEFT's ``save_pretrained`` writes of the same weights (keys,
+  tensors, config);
+- still refused after ``shard_model``, on every rank naming the key, the adapters untouched: a model
+  that already ran a forward (ValueError), LoRA on parameters (PEFT's ParamWrapper,
+  NotImplementedError); DoRA (its magnitude needs the base weights) a NotImplementedError.
 """
 
 from __future__ import annotations

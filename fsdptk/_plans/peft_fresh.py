@@ -11,6 +11,11 @@ order, then the ``target_parameters`` wrappers, the innermost of a nested chain 
 weight: LoRA factors of ``nn.Linear`` form (``lora_A`` / ``lora_B``, their bias),
 ``init_lora_weights`` True, False or ``"gaussian"``; the rest (DoRA's magnitude, PiSSA, embedding
 LoRA, other tuners) is refused by name.
+
+Adapters attached after ``shard_model`` (plain per-rank Parameters, maybe at the local shard's
+shape): :func:`attach_plan` checks them and :func:`attach_units` makes each LoRA factor of an
+``nn.Linear`` layer an FSDP unit of its own at its full shape, on the mesh and policies of the base
+layer's unit, before the values are built.
 """
 
 from __future__ import annotations

@@ -209,9 +209,17 @@ def init_adapters(
     frozen base is not touched. Create the optimizer after this call (the adapter Parameters are
     replaced).
 
-    ``get_peft_model`` after ``shard_model`` is refused: PEFT then adds plain per-rank Parameters
-    that no FSDP unit manages (their gradients never reduced) and, on a mesh whose dims are not
-    named ``fsdp``, sizes them from the local shard.
+    The other order, ``shard_model``, base load, then ``get_peft_model`` (PEFT attached to the
+    sharded model), works before the model's first forward. PEFT alone leaves plain per-rank
+    Parameters there that no FSDP unit manages (and, on a mesh whose dims are not named ``fsdp``,
+    sized from the local shard). The rule for such a LoRA layer on an ``nn.Linear``: its
+    ``lora_A`` / ``lora_B`` are replaced by ``nn.Linear`` at the full shapes (``(r, in_features)``,
+    ``(out_features, r)`` of the base layer's full weight) and each is ``fully_shard``-ed as an FSDP
+    unit of its own with the mesh, mixed-precision and offload policies of the unit holding the
+    base layer (``Shard(0)``, ``Replicate()`` over ``dp_replicate`` under HSDP; gradients reduced as
+    that unit's), then initialised and loaded as above. Refused there: a model that already ran a
+    forward (FSDP2 collected its units at the root's first forward), LoRA on parameters
+    (``target_parameters``), a non-``nn.Linear`` or tensor-parallel base layer.
 
     Args:
         model: a ``peft.PeftModel`` (or a model with PEFT tuners injected), its adapters on
@@ -227,14 +235,17 @@ def init_adapters(
         list[str]: the model FQNs of the tensors initialised, in PEFT's creation order.
 
     Raises:
-        ValueError: the ranks passed different ``seed``, ``adapter_name`` or ``bucket_bytes``; a
-            sharded model whose adapter tensors no FSDP unit manages (names the key, its shape and
-            the full shape the base layer gives). On every rank, before the model changes.
+        ValueError: the ranks passed different ``seed``, ``adapter_name`` or ``bucket_bytes``;
+            adapters attached after ``shard_model`` to a model that already ran a forward, or whose
+            base layer no FSDP unit manages (names the key and its shape). On every rank, before
+            the model changes.
         TypeError: ``model`` has no PEFT adapter; on every rank.
         KeyError: no adapter ``adapter_name``; on every rank.
         NotImplementedError: an adapter PEFT initialises from the base weights (DoRA, PiSSA,
             OLoRA, LoftQ, ...) or that is not a LoRA factor of ``nn.Linear`` form (embedding LoRA,
-            other tuners), named; on every rank, before the model changes.
+            other tuners); adapters attached after ``shard_model`` on parameters
+            (``target_parameters``), on a non-``nn.Linear`` or a tensor-parallel base layer; named,
+            on every rank, before the model changes.
 
     Examples:
         On every rank (the whole loop runs in docs/hf.md, "Fresh adapters")::
@@ -245,6 +256,13 @@ def init_adapters(
             shard_model(model, no_split_modules(model), cpu_offload=False)
             load_safetensors(model, base_dir, strict=True)
             init_adapters(model, seed=0)     # the adapters get_peft_model gives after manual_seed(0)
+
+        Or PEFT after sharding, before the first forward (the same values)::
+
+            shard_model(base, no_split_modules(base), cpu_offload=False)
+            load_safetensors(base, base_dir, strict=True)
+            model = get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+            init_adapters(model, seed=0)     # each factor an FSDP unit at its full shape
 
         >>> import torch
         >>> init_adapters(torch.nn.Linear(2, 2))
