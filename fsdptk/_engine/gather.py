@@ -221,10 +221,17 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
                        bucket_bytes=bucket_bytes, retained=retained, quantized=[lay.quantized for lay in layouts],
                        into_full=comm.type == "cpu")  # a receive can land in the (CPU) full tensors
     # reused CPU memory for the full tensors and the flat buffers (not when the caller keeps every
-    # bucket: nothing would come back to it), within the peak a gather has without it: the bucket
-    # being filled (or its largest tensor) and the one the consumer still holds
+    # bucket: nothing would come back to it). A pool of this call only: within the peak the gather
+    # has without it (the bucket being filled, or its largest tensor, and the one the consumer
+    # still holds), so it saves time and adds no memory; a model whose tensors outgrow the bucket
+    # then drops its largest block for the layers and faults the largest tensors in afresh. A pool
+    # the caller keeps between calls (weight_source(keep_buffers=True)): about two buckets, two
+    # largest tensors when they outgrow the bucket (less one bucket for what is not the pool's:
+    # the flat send buffers, conversions), enough for the largest tensor and a layer's tensors, so
+    # that a pass after the first writes into warm memory only.
     sizes = [_nbytes(s, d) for i, (s, d) in enumerate(zip(plan.shapes, plan.dtypes)) if plan.dests[i] == rank]
-    cap = max([bucket_bytes, *sizes]) + bucket_bytes
+    biggest = max([bucket_bytes, *sizes])
+    cap = 2 * biggest - bucket_bytes if kept is not None else biggest + bucket_bytes
     pool = None if retained else kept or Pool(cap=cap)
     if pool is not None:
         pool.prepare(cap, sizes)

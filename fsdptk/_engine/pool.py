@@ -14,10 +14,11 @@ of it, keeps its block out of the pool; the tensors a consumer holds are never w
 block is reused only for a request of exactly its size (a model's tensors repeat layer after layer,
 so exact sizes recur, and no request pins a larger block). Before a new block is made, free blocks
 are dropped (those of sizes no later request needs first, then the oldest) until every block, free
-or held, and the new one add up to at most ``cap``: the gather passes about the peak it has without
-the pool (the bucket being filled and the one the consumer holds), so the pool saves time, not
-memory, and adds none. It lives for one call: its memory is returned when the call's generator
-ends.
+or held, and the new one add up to at most ``cap``. A gather's own pool lives for one call (its
+memory is returned when the call's generator ends) and its cap is about the peak the gather has
+without it (the bucket being filled and the one the consumer holds), so it saves time and adds no
+memory. A pool the caller keeps between calls (``weight_source(keep_buffers=True)``) is given
+about two of the largest tensors, so that a pass after the first writes into warm memory only.
 """
 
 from __future__ import annotations

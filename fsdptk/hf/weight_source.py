@@ -371,10 +371,11 @@ def weight_source(
             32 are fixed).
         quantize_if: ``(Hub name, tensor) -> bool`` choosing the tensors to quantize instead of the
             default rule (the tensor is on ``meta``, of the Hub shape and dtype).
-        keep_buffers: keep the memory of a pass's full tensors between passes (on an owner: about
-            one bucket plus its largest tensor), so that the next pass writes into warm memory
-            instead of fresh pages (a pass's tensors are always taken from the pass's own reused
-            blocks; this keeps them for the next). Every yielded tensor is still the consumer's
+        keep_buffers: keep the memory of a pass's full tensors between passes (on an owner: up to
+            about two buckets, two of its largest tensors where they outgrow the bucket), so that
+            the next pass writes into warm memory instead of fresh pages (a pass's tensors are
+            always taken from blocks reused within the pass; this keeps them for the next, and
+            lets the pass keep enough to reuse its largest tensor's block too). Every yielded tensor is still the consumer's
             until it drops it: a block a consumer (or a view of it) still holds is never written
             over, it is replaced. ``False`` (default): the memory is returned after each pass.
             Per rank (not agreed: it changes no message).
