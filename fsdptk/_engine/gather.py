@@ -270,9 +270,12 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
             flight.wait()
         if held is not None:
             yield from _collect_hand_over(items, plan, *held, status)
+            held = None  # nothing of the last bucket is held here once handed over
         status.agree()
     finally:
         flight.drain_quietly()
+        if kept is not None and pool is not None:
+            pool.trim()  # what the caller keeps until its next call: within the cap
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:

@@ -92,6 +92,11 @@ class Pool:
             self.reused += size
         return block.view(dtype).view(tuple(shape))
 
+    def trim(self) -> None:
+        """Drop free blocks until the blocks add up to at most ``cap`` (the end of a call: what a
+        pool kept between calls holds until the next)."""
+        self._trim(0)
+
     def nbytes(self) -> int:
         """The bytes of every block, free or held."""
         return sum(size * len(bs) for size, bs in self._blocks.items())
