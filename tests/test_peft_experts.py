@@ -46,6 +46,7 @@ CASES = {"qwen3_moe": (2, None), "mixtral": (4, {"dp_replicate": 2, "dp_shard": 
 # (tests/test_moe_families.py's tiny configs), under FSDP at 2 ranks
 MORE = ["minimax", "qwen2_moe", "deepseek_v2", "glm4_moe", "olmoe", "ernie4_5_moe", "dots1"]
 CASES.update(dict.fromkeys(MORE, (2, None)))
+CASES["qwen3_moe-fsdp4"] = (4, None)  # FSDP over 4 ranks (a case id: the family before the dash)
 
 
 def _src(tmp_path_factory, family: str) -> str:
@@ -145,8 +146,10 @@ def test_lora_on_the_experts_loads_trains_and_saves_as_peft(world, tmp_path_fact
     from safetensors import safe_open
 
     n, dims = CASES[family]
+    shards = (dims or {}).get("dp_shard", n)
+    family = family.split("-")[0]
     src = _src(tmp_path_factory, family)
-    judge = _judge(src, tmp_path_factory, family, n)
+    judge = _judge(src, tmp_path_factory, f"{family}{n}", n)
     assert any(".experts.lora_A" in k for k in judge["adapters"])
     out = tmp_path_factory.mktemp(f"{family}_ours")
     results = world(n).run(_train, src, judge["init"], str(out), dims, timeout=240)
@@ -155,8 +158,8 @@ def test_lora_on_the_experts_loads_trains_and_saves_as_peft(world, tmp_path_fact
         torch.testing.assert_close(r["logits"], judge["logits"], rtol=1e-5, atol=1e-5)
         assert abs(r["loss"] - judge["rows"][rank]) < 1e-5, (rank, r["loss"], judge["rows"][rank])
         assert abs(r["whole"] - judge["whole"]) < 1e-5, (rank, r["whole"], judge["whole"])
-        # the experts' factors are FSDP-sharded: dim 0 over the 2 shard ranks, not replicated
-        assert r["shard_dims"] and all(local == full // 2 for full, local in r["shard_dims"].values()), (
+        # the experts' factors are FSDP-sharded: dim 0 over the shard ranks, not replicated
+        assert r["shard_dims"] and all(local == full // shards for full, local in r["shard_dims"].values()), (
             r["shard_dims"])
         torch.testing.assert_close(r["resumed"], r["trained"], rtol=1e-6, atol=1e-6)
     ours = results[0]["adapters"]
