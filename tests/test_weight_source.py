@@ -697,7 +697,15 @@ def _expert_lora_stream(src: str, family: str, dims_kw: dict, out: str) -> dict:
         want = _tensors(merged_dir)
     dims = ParallelDims(**dims_kw)
     dims.build_mesh("cpu")
-    shard_model(model, no_split_modules(model), cpu_offload=False, dp_mesh=dims.fsdp_mesh)
+    experts = []
+    if dims.ep > 1:  # expert parallel: each rank's experts and their LoRA blocks (issue 43)
+        from fsdptk import apply_ep
+        from fsdptk.hf import hf_ep_plan
+
+        experts = hf_ep_plan(model)
+        apply_ep(model, dims.ep_mesh, experts)
+    shard_model(model, no_split_modules(model), cpu_offload=False, dp_mesh=dims.fsdp_mesh,
+                expert_dp_mesh=dims.expert_fsdp_mesh if experts else None)
     got: dict = {"want": want}
     for owners in (1, dist.get_world_size(), "all"):
         source = weight_source(model, adapters="merged", owners=owners)
@@ -706,7 +714,7 @@ def _expert_lora_stream(src: str, family: str, dims_kw: dict, out: str) -> dict:
     return got
 
 
-@pytest.mark.parametrize(("family", "mesh"), [("qwen3_moe", "fsdp2"), ("mixtral", "hsdp")])
+@pytest.mark.parametrize(("family", "mesh"), [("qwen3_moe", "fsdp2"), ("mixtral", "hsdp"), ("qwen3_moe", "ep")])
 def test_merged_lora_on_the_experts_is_merge_and_unloads_hub_checkpoint(world, hub, tmp_path, family,
                                                                         mesh) -> None:
     """The union of every owner's ``iter_full`` is ``save_pretrained`` of PEFT's ``merge_and_unload()``
