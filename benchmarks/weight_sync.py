@@ -13,7 +13,7 @@ engine's send is not timed):
   (what vLLM's NCCL broadcast engine sends from); each is gathered point to point to rank 0 only.
 - ``fsdptk owners=1, keep_buffers``: the same with ``keep_buffers=True``: the pass's buffers kept
   for the next, so a pass writes into warm memory (peak RSS is then measured above an RSS that
-  already holds them).
+  already holds them: the column "held between passes" gives their bytes).
 - ``fsdptk owners=W``: ``weight_source(model, owners=W)``: the Hub tensors spread over every rank by
   bytes, each gathered to its owner.
 - ``fsdptk owners='all'``: ``weight_source(model, owners="all").iter_full()``: every rank gets every
@@ -181,7 +181,9 @@ def _measure(fn: Any) -> dict[str, float]:
     wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     peak, received = status_bytes("VmHWM"), _received_since(tcp)
     dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-    return {"seconds": float(wall), "peak_above": peak - rss, "received": received, "yielded": yielded}
+    held = getattr(fn, "held", None)  # what the method keeps between passes (keep_buffers' blocks)
+    return {"seconds": float(wall), "peak_above": peak - rss, "received": received, "yielded": yielded,
+            "held": held() if held is not None else 0}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -259,8 +261,14 @@ def _methods(model: Any, world: int) -> dict[str, Any]:
         kept.clear()  # rank 0 would send them now
         return n
 
+    def owners1_kept_pass() -> int:
+        return _drain(owners1_kept.iter_full())
+
+    pool = owners1_kept._pool
+    owners1_kept_pass.held = lambda: pool.nbytes() if pool is not None else 0  # type: ignore[attr-defined]
+
     fns = {"raw_p2p": raw_p2p, "raw_p2p_own_copy": raw_p2p_own_copy, "fsdptk_owners1": lambda: _drain(owners1.iter_full()),
-           "fsdptk_owners1_kept": lambda: _drain(owners1_kept.iter_full()),
+           "fsdptk_owners1_kept": owners1_kept_pass,
            "fsdptk_ownersW": lambda: _drain(owners_w.iter_full()),
            "fsdptk_owners_all": lambda: _drain(owners_all.iter_full()), "gather_all": gather_all}
     if _vllm_problem() is None:
@@ -337,18 +345,21 @@ def render(results: dict[str, Any]) -> str:
         lines += ["", f"## {results['model']} {res['model_bytes'] / 1e9:.3f} GB fp32 ({res['layers']} layers, hidden "
                       f"{res['hidden']}), {key}, min of {results['repeats']}", "",
                   "| method | time s | / raw | / floor | / ModuleSource | peak RSS above before, MiB per rank | "
-                  "received MiB per rank | yielded MiB per rank |", "|---|---|---|---|---|---|---|---|"]
+                  "held between passes, MiB per rank | received MiB per rank | yielded MiB per rank |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         ranks = res["ranks"]
         best = {m: min(run["seconds"] for run in ranks[0][m]) for m in ranks[0]}
         for m in METHODS:
             if m not in ranks[0]:
-                lines.append(f"| {LABELS[m]} | skipped: {results['skipped'].get(m, '?')} | | | | | | |")
+                lines.append(f"| {LABELS[m]} | skipped: {results['skipped'].get(m, '?')} | | | | | | | |")
                 continue
 
             vs_ms = f"{best[m] / best['vllm_module_source']:.2f}" if "vllm_module_source" in best else "-"
             vs_floor = f"{best[m] / best['raw_p2p_own_copy']:.2f}" if "raw_p2p_own_copy" in best else "-"
             lines.append(f"| {LABELS[m]} | {best[m]:.4f} | {best[m] / best['raw_p2p']:.2f} | {vs_floor} | {vs_ms} "
-                         f"| {_per_rank(ranks, m, 'peak_above', max)} | {_per_rank(ranks, m, 'received', min)} "
+                         f"| {_per_rank(ranks, m, 'peak_above', max)} "
+                         f"| {_per_rank(ranks, m, 'held', max) if 'held' in ranks[0][m][0] else '-'} "
+                         f"| {_per_rank(ranks, m, 'received', min)} "
                          f"| {_per_rank(ranks, m, 'yielded', max)} |")
     return "\n".join(lines)
 
