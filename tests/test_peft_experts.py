@@ -93,6 +93,48 @@ def _judge(src: str, tmp_path_factory, family: str, world_size: int) -> dict:
             "adapters": {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}}
 
 
+def step_on_rows(model, rows: torch.Tensor, batch: torch.Tensor, opt=None):
+    """One step of ``opt`` (default: SGD at this module's rate) on this rank's ``rows``: ``(optimizer,
+    loss on the rows, whole-batch loss after, whole-batch logits after)`` (tests/test_peft_experts_ep.py
+    and _tp.py too)."""
+    opt = opt or _sgd(model)
+    loss = model(input_ids=rows, labels=rows).loss
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        whole = model(input_ids=batch, labels=batch).loss.item()
+        trained = model(input_ids=batch).logits
+    return opt, loss.item(), whole, trained
+
+
+def assert_peft_saves_the_same(out, src: str, ours: dict, lora, tmp_dir, marker: str = ".experts.lora_B",
+                               base: bool = True):
+    """``save_adapter``'s directory ``out`` is what PEFT's ``save_pretrained`` writes from the same
+    (gathered) adapters ``ours`` on the base ``src``: keys, dtypes and tensors bit for bit (``marker``
+    among the keys), ``adapter_config.json`` equal (``base``: both name ``src`` as the base).
+    Returns PEFT's model holding ``ours``."""
+    from safetensors import safe_open
+
+    same = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(src), lora)
+    assert not same.load_state_dict(ours, strict=False).unexpected_keys
+    same.save_pretrained(tmp_dir)
+    with safe_open(out / "adapter_model.safetensors", "pt") as mine, \
+            safe_open(tmp_dir / "adapter_model.safetensors", "pt") as theirs:
+        assert sorted(mine.keys()) == sorted(theirs.keys())
+        assert any(marker in k for k in mine.keys())  # noqa: SIM118 - a safe_open handle
+        for key in theirs.keys():  # noqa: SIM118 - a safe_open handle, not a dict
+            a = mine.get_tensor(key)
+            assert a.dtype == theirs.get_tensor(key).dtype and torch.equal(a, theirs.get_tensor(key)), key
+    configs = [json.loads((d / "adapter_config.json").read_text()) for d in (out, tmp_dir)]
+    for cfg in configs:  # sets, written in hash order by PEFT
+        cfg["target_modules"] = sorted(cfg["target_modules"])
+        cfg["target_parameters"] = sorted(cfg["target_parameters"])
+    if base:
+        assert configs[0].pop("base_model_name_or_path") == configs[1].pop("base_model_name_or_path") == src
+    assert configs[0] == configs[1]
+    return same
+
+
 def _train(src: str, init: str, out: str, dims) -> dict:
     """On every rank: the composition, one SGD step on this rank's rows, save_adapter."""
     import torch.distributed as dist
@@ -117,13 +159,7 @@ def _train(src: str, init: str, out: str, dims) -> dict:
     with torch.no_grad():
         logits = model(input_ids=batch).logits
     rows = batch.chunk(world)[rank]
-    opt = _sgd(model)
-    loss = model(input_ids=rows, labels=rows).loss
-    loss.backward()
-    opt.step()
-    with torch.no_grad():
-        whole = model(input_ids=batch, labels=batch).loss.item()
-        trained = model(input_ids=batch).logits
+    _, loss, whole, trained = step_on_rows(model, rows, batch)
     adapters = gather_cpu_state_dict(model, rank == 0, adapter_weights_only=True)
     save_adapter(model, out)
     # resume: a new model, the base, the saved adapter -> the trained logits
@@ -137,7 +173,7 @@ def _train(src: str, init: str, out: str, dims) -> dict:
     shard_dims = {n: (p.shape[0], p.to_local().shape[0]) for n, p in model.named_parameters()
                   if "experts" in n and "lora_" in n}
     return {"keys": (res.missing_keys, res.unexpected_keys, ares.missing_keys, ares.unexpected_keys),
-            "logits": logits, "loss": loss.item(), "whole": whole, "trained": trained,
+            "logits": logits, "loss": loss, "whole": whole, "trained": trained,
             "adapters": adapters, "shard_dims": shard_dims, "resumed": resumed}
 
 
@@ -168,28 +204,15 @@ def test_lora_on_the_experts_loads_trains_and_saves_as_peft(world, tmp_path_fact
     for k, want in judge["adapters"].items():
         torch.testing.assert_close(ours[k], want, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
 
-    # PEFT's own save of the same (gathered) weights: the same files, bit for bit
-    same = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(src), _lora())
-    assert not same.load_state_dict(ours, strict=False).unexpected_keys
-    peft_dir = tmp_path_factory.mktemp(f"{family}_peft_save")
-    same.save_pretrained(peft_dir)
+    # PEFT's own save of the same (gathered) weights: the same files, bit for bit (both record the
+    # base's directory: the meta model's config came from it); close to the judge's own trained save
+    assert_peft_saves_the_same(out, src, ours, _lora(), tmp_path_factory.mktemp(f"{family}_peft_save"))
     with safe_open(out / "adapter_model.safetensors", "pt") as mine, \
-            safe_open(peft_dir / "adapter_model.safetensors", "pt") as theirs, \
             safe_open(judge["trained"] / "adapter_model.safetensors", "pt") as judged:
-        assert sorted(mine.keys()) == sorted(theirs.keys()) == sorted(judged.keys())
-        assert any(".experts.lora_B" in k for k in mine.keys())  # noqa: SIM118 - a safe_open handle
-        for key in theirs.keys():  # noqa: SIM118 - a safe_open handle, not a dict
-            a = mine.get_tensor(key)
-            assert a.dtype == theirs.get_tensor(key).dtype and torch.equal(a, theirs.get_tensor(key)), key
-            torch.testing.assert_close(a, judged.get_tensor(key), rtol=1e-5, atol=1e-6)
-    configs = [json.loads((d / "adapter_config.json").read_text()) for d in (out, peft_dir)]
-    for cfg in configs:  # sets, written in hash order by PEFT
-        cfg["target_modules"] = sorted(cfg["target_modules"])
-        cfg["target_parameters"] = sorted(cfg["target_parameters"])
-    # both record the base's directory (the meta model's config came from it)
-    assert configs[0].pop("base_model_name_or_path") == configs[1].pop("base_model_name_or_path") == src
-    assert configs[0] == configs[1]
-    assert configs[0]["target_parameters"] == sorted(_EXPERTS)
+        assert sorted(mine.keys()) == sorted(judged.keys())
+        for key in judged.keys():  # noqa: SIM118 - a safe_open handle, not a dict
+            torch.testing.assert_close(mine.get_tensor(key), judged.get_tensor(key), rtol=1e-5, atol=1e-6)
+    assert sorted(json.loads((out / "adapter_config.json").read_text())["target_parameters"]) == sorted(_EXPERTS)
 
     # PEFT loads our directory in one process and gives the sharded model's trained logits
     loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(src), out)

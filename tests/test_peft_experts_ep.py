@@ -44,7 +44,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from tests.test_hf_moe import build_reference  # noqa: E402 - after the skips
-from tests.test_peft_experts import _EXPERTS, _batch, _lora  # noqa: E402
+from tests.test_peft_experts import _EXPERTS, _batch, _lora, assert_peft_saves_the_same, step_on_rows  # noqa: E402
 
 _LR = 0.5
 # case -> (family, world size, ParallelDims kwargs)
@@ -152,13 +152,7 @@ def _train(src: str, init: str, out: str, dims: dict) -> dict:
     with torch.no_grad():
         logits = model(input_ids=batch).logits
     rows = batch.chunk(world)[rank]
-    opt = _sgd(model)
-    loss = model(input_ids=rows, labels=rows).loss
-    loss.backward()
-    opt.step()
-    with torch.no_grad():
-        whole = model(input_ids=batch, labels=batch).loss.item()
-        trained = model(input_ids=batch).logits
+    opt, loss, whole, trained = step_on_rows(model, rows, batch, _sgd(model))
     adapters = gather_cpu_state_dict(model, rank == 0, adapter_weights_only=True)
     osd = get_full_optimizer_state_dict(model, opt, rank == 0)
     save_adapter(model, out)
@@ -173,7 +167,7 @@ def _train(src: str, init: str, out: str, dims: dict) -> dict:
     resumed_state = {n: opt2.state[p]["momentum_buffer"].to_local() for n, p in _factors(again).items()}
     return {"experts": experts, "keys": keys + (ares.missing_keys, ares.unexpected_keys),
             "ep_rank": pd.ep_mesh.get_local_rank(), "memory": memory, "blocks": blocks,
-            "logits": logits, "loss": loss.item(), "whole": whole, "trained": trained,
+            "logits": logits, "loss": loss, "whole": whole, "trained": trained,
             "adapters": adapters, "osd": osd, "resumed": resumed,
             "state_equal": all(torch.equal(local_state[n], resumed_state[n]) for n in local_state)}
 
@@ -189,8 +183,6 @@ def _peft_blocks(full: torch.Tensor, name: str, experts: int, ep: int, k: int) -
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_lora_on_the_experts_under_ep_loads_trains_and_saves_as_peft(world, tmp_path_factory, case) -> None:
-    from safetensors import safe_open
-
     family, n, dims = CASES[case]
     ep = dims["ep"]
     efsdp = dims["dp_shard"] // ep
@@ -231,23 +223,8 @@ def test_lora_on_the_experts_under_ep_loads_trains_and_saves_as_peft(world, tmp_
                                    msg=lambda m, k=k: f"{k}: {m}")
 
     # PEFT's own save of the same (gathered) weights: the same files, bit for bit
-    same = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(src), _lora())
-    assert not same.load_state_dict(ours, strict=False).unexpected_keys
-    peft_dir = tmp_path_factory.mktemp(f"{case}_ep_peft_save")
-    same.save_pretrained(peft_dir)
-    with safe_open(out / "adapter_model.safetensors", "pt") as mine, \
-            safe_open(peft_dir / "adapter_model.safetensors", "pt") as theirs:
-        assert sorted(mine.keys()) == sorted(theirs.keys())
-        assert any(".experts.lora_B" in k for k in mine.keys())  # noqa: SIM118 - a safe_open handle
-        for key in theirs.keys():  # noqa: SIM118 - a safe_open handle, not a dict
-            a = mine.get_tensor(key)
-            assert a.dtype == theirs.get_tensor(key).dtype and torch.equal(a, theirs.get_tensor(key)), key
-    configs = [json.loads((d / "adapter_config.json").read_text()) for d in (out, peft_dir)]
-    for cfg in configs:  # sets, written in hash order by PEFT
-        cfg["target_modules"] = sorted(cfg["target_modules"])
-        cfg["target_parameters"] = sorted(cfg["target_parameters"])
-    assert configs[0] == configs[1]
-    assert configs[0]["target_parameters"] == sorted(_EXPERTS)
+    assert_peft_saves_the_same(out, src, ours, _lora(), tmp_path_factory.mktemp(f"{case}_ep_peft_save"), base=False)
+    assert sorted(json.loads((out / "adapter_config.json").read_text())["target_parameters"]) == sorted(_EXPERTS)
 
     # PEFT loads our directory in one process and gives the EP model's trained logits
     loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(src), out)

@@ -25,8 +25,6 @@ adapter PEFT saved in one process ->
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -34,7 +32,13 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from tests.test_hf_moe import build_reference  # noqa: E402 - after the skips
-from tests.test_peft_experts import _batch, _judge, _lora, _sgd  # noqa: E402
+from tests.test_peft_experts import (  # noqa: E402
+    _batch,
+    _judge,
+    _lora,
+    assert_peft_saves_the_same,
+    step_on_rows,
+)
 
 _DIMS = {"dp_shard": 2, "tp": 2}
 
@@ -75,13 +79,7 @@ def _train_tp(src: str, init: str, out: str) -> dict:
     with torch.no_grad():
         logits = model(input_ids=batch).logits
     rows = batch.chunk(dims.dp_degree)[dims.dp_rank]
-    opt = _sgd(model)
-    loss = model(input_ids=rows, labels=rows).loss
-    loss.backward()
-    opt.step()
-    with torch.no_grad():
-        whole = model(input_ids=batch, labels=batch).loss.item()
-        trained = model(input_ids=batch).logits
+    _, loss, whole, trained = step_on_rows(model, rows, batch)
     adapters = gather_cpu_state_dict(model, rank == 0, adapter_weights_only=True)
     merged = dict(weight_source(model, adapters="merged").iter_full())  # rank 0 owns every name
     save_adapter(model, out)
@@ -91,7 +89,7 @@ def _train_tp(src: str, init: str, out: str) -> dict:
     with torch.no_grad():
         resumed = again(input_ids=batch).logits
     return {"keys": (res.missing_keys, res.unexpected_keys, ares.missing_keys, ares.unexpected_keys),
-            "coords": (dims.dp_rank, dims.tp_mesh.get_local_rank()), "placed": placed, "logits": logits, "loss": loss.item(),
+            "coords": (dims.dp_rank, dims.tp_mesh.get_local_rank()), "placed": placed, "logits": logits, "loss": loss,
             "whole": whole, "trained": trained, "adapters": adapters, "merged": merged, "resumed": resumed}
 
 
@@ -138,23 +136,8 @@ def test_lora_on_the_experts_under_fsdp_x_tp_trains_and_saves_as_peft(world, tmp
         assert not torch.equal(want, init.state_dict()[k]), k  # the step moved every factor
 
     # PEFT's own save of the same (gathered) weights: the same files, bit for bit
-    same = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(src), _lora())
-    assert not same.load_state_dict(ours, strict=False).unexpected_keys
-    peft_dir = tmp_path_factory.mktemp(f"{family}_tp_peft_save")
-    same.save_pretrained(peft_dir)
-    with safe_open(out / "adapter_model.safetensors", "pt") as mine, \
-            safe_open(peft_dir / "adapter_model.safetensors", "pt") as theirs:
-        assert sorted(mine.keys()) == sorted(theirs.keys())
-        assert any(".experts.base_layer.lora_B" in k for k in mine.keys())  # noqa: SIM118 - a safe_open handle
-        for key in theirs.keys():  # noqa: SIM118 - a safe_open handle, not a dict
-            a = mine.get_tensor(key)
-            assert a.dtype == theirs.get_tensor(key).dtype and torch.equal(a, theirs.get_tensor(key)), key
-    configs = [json.loads((d / "adapter_config.json").read_text()) for d in (out, peft_dir)]
-    for cfg in configs:  # sets, written in hash order by PEFT
-        cfg["target_modules"] = sorted(cfg["target_modules"])
-        cfg["target_parameters"] = sorted(cfg["target_parameters"])
-    assert configs[0].pop("base_model_name_or_path") == configs[1].pop("base_model_name_or_path") == src
-    assert configs[0] == configs[1]
+    same = assert_peft_saves_the_same(out, src, ours, _lora(), tmp_path_factory.mktemp(f"{family}_tp_peft_save"),
+                                      marker=".experts.base_layer.lora_B")
 
     # weight_source(adapters="merged") of the trained 2 x 2 model: save_pretrained of PEFT's
     # merge_and_unload() of the same adapters (per-expert Hub tensors)
