@@ -165,8 +165,9 @@ _CLOCK_TITLES = {"user": "### As a user's loop sees it (the `user` clock)\n\nBot
 def render(results: dict[str, Any]) -> str:
     """The tables of a result file (markdown): the warm clock's, the user clock's when the file has
     them, then the cold table and the bytes read."""
-    out = _render_clock(results, "warm")
-    if any(r.get("clock") == "user" for r in results["records"]):
+    clocks = {r.get("clock", "warm") for r in results["records"]}
+    out = _render_clock(results, "warm") if "warm" in clocks or "user" not in clocks else ""
+    if "user" in clocks:
         out += "\n" + _CLOCK_TITLES["user"] + "\n" + _render_clock(results, "user")
     return out + "\n".join([""] + cold_table(results) + [""] + read_table(results)) + "\n"
 
