@@ -162,8 +162,9 @@ def attach_plan(model: nn.Module, plan: list[tuple[str, Any, str, Any]]
                 "before shard_model")
         base_fqn = f"{name}.base_layer" if name else "base_layer"
         unit = _unit_of(model, base_fqn)
-        group = unit._get_fsdp_state()._fsdp_param_group if unit is not None else None
-        if group is None:
+        state = unit._get_fsdp_state() if unit is not None else None
+        group = state._fsdp_param_group if state is not None else None
+        if state is None or group is None:
             raise ValueError(f"{where}: no FSDP unit manages its base layer {base_fqn!r}; shard it "
                              "with shard_model (or call peft.get_peft_model before shard_model)")
         mesh = group.mesh_info.mesh
@@ -174,7 +175,9 @@ def attach_plan(model: nn.Module, plan: list[tuple[str, Any, str, Any]]
                 "apply_tp / shard_model")
         out.append((name, layer, adapter, {
             "mesh": mesh, "reshard_after_forward": group.post_forward_mesh_info is not None,
-            "mp_policy": group.mp_policy, "offload_policy": group.offload_policy}))
+            # the unit's policy: its group's in torch 2.13; torch 2.15 keeps it on the state only
+            "mp_policy": getattr(group, "mp_policy", None) or state._mp_policy,
+            "offload_policy": group.offload_policy}))
     return out
 
 
