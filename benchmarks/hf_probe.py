@@ -68,16 +68,17 @@ from typing import Any
 
 from .hf_worker import USER_IMPORTS, import_names
 
-__all__ = ["FLOOR", "FLOOR_NOGC", "ISSUE_IMPORTS", "ISSUE_SHAPE", "METHODS", "CellStats", "spread", "pair_ratios", "summarize",
+__all__ = ["FLOOR", "FLOOR_FSDPTK", "ISSUE_IMPORTS", "ISSUE_SHAPE", "METHODS", "CellStats", "spread", "pair_ratios", "summarize",
            "render", "parse_args", "main", "shape_of", "param_bytes", "import_self_seconds"]
 
 METHODS = ("transformers", "fsdptk")
 # --floor: the cost both calls share on first use in a fresh process, timed alone the same way:
 # importing transformers' modeling code for the model (what either call imports inside its clock)
 FLOOR = "imports-floor"
-# the same imports with the collector paused, as fsdptk.hf.from_pretrained runs them (it pauses it for the call)
-FLOOR_NOGC = "imports-floor-nogc"
-FLOORS = (FLOOR, FLOOR_NOGC)
+# the same imports with the collector as fsdptk.hf.from_pretrained runs it (inside its _gc_quiet; results
+# files before that change have "imports-floor-nogc": the collector paused, the library's behaviour then)
+FLOOR_FSDPTK = "imports-floor-fsdptk"
+FLOORS = (FLOOR, FLOOR_FSDPTK)
 # The issue's model: hidden 2048 x 10 layers, a TinyLlama-like Llama (GQA 32 / 4 heads), 2.29 GB fp32
 ISSUE_SHAPE: dict[str, int] = {"hidden_size": 2048, "num_hidden_layers": 10, "intermediate_size": 5632,
                                "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000}
@@ -562,20 +563,16 @@ def _rank(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     from .measure import status_bytes
 
     path, f, t = spec["ckpt"], spec["dp_shard"], spec["tp"]
-    if spec.get("fsdptk_gc", "pause") != "pause":
-        _swap_gc_pause(spec["fsdptk_gc"])
+    if spec.get("fsdptk_gc", "library") != "library":
+        _swap_gc_quiet(spec["fsdptk_gc"])
     if spec["method"] in FLOORS:
         def load() -> Any:
-            import gc
+            import contextlib
 
-            paused = spec["method"] == FLOOR_NOGC and gc.isenabled()
-            if paused:
-                gc.disable()
-            try:
+            from fsdptk.hf.pretrained import _gc_quiet
+
+            with _gc_quiet() if spec["method"] == FLOOR_FSDPTK else contextlib.nullcontext():
                 import transformers.models.llama.modeling_llama  # noqa: F401
-            finally:
-                if paused:
-                    gc.enable()
 
         def save(model: Any, where: str) -> None:
             pass
@@ -615,11 +612,11 @@ def _rank(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     return rec
 
 
-def _swap_gc_pause(mode: str) -> None:
-    """An experiment on fsdptk's own call (``--fsdptk-gc``): instead of pausing the collector for
-    the call (``gc.disable()``, what the library does), leave it on (``on``) or freeze what exists
-    when the call starts (``freeze``: ``gc.freeze()``, so collections during the call examine only
-    the objects it makes, and free the garbage of its imports as they go)."""
+def _swap_gc_quiet(mode: str) -> None:
+    """An experiment on fsdptk's own call (``--fsdptk-gc``): instead of the library's
+    ``_gc_quiet``, pause the collector for the call (``disable``: ``gc.disable()``, the library's
+    behaviour before issue 44), leave it on (``on``) or freeze what exists when the call starts,
+    unconditionally (``freeze``)."""
     import contextlib
     import gc
     from collections.abc import Iterator
@@ -634,7 +631,18 @@ def _swap_gc_pause(mode: str) -> None:
         finally:
             gc.unfreeze()
 
-    pretrained._gc_paused = contextlib.nullcontext if mode == "on" else frozen  # type: ignore[assignment]
+    @contextlib.contextmanager
+    def paused() -> Iterator[None]:
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            if was:
+                gc.enable()
+
+    swap = {"on": contextlib.nullcontext, "freeze": frozen, "disable": paused}[mode]
+    pretrained._gc_quiet = swap  # type: ignore[assignment]
 
 
 def _timed(fn: Any, dist: Any, spec: dict[str, Any]) -> tuple[Any, tuple[float, float, float]]:
@@ -686,7 +694,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--floor", action="store_true",
                    help="also time, in the same fresh world, what both calls share on first use: importing "
                         "transformers' modeling code for the model (method imports-floor), and the same with the "
-                        "collector paused, as fsdptk's call runs it (imports-floor-nogc)")
+                        "collector as fsdptk's call runs it (imports-floor-fsdptk)")
     factors = p.add_argument_group("factors (default: the issue's harness; the alternative: python -m benchmarks hf's)")
     factors.add_argument("--malloc", default="default", choices=["default", "mmap65536"],
                          help="glibc's default malloc, or MALLOC_MMAP_THRESHOLD_=65536 in every rank")
@@ -706,10 +714,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--importtime", action="store_true",
                    help="run the ranks under python -X importtime and report each load's time less the self time "
                         "of the modules it imported inside its clock (the shared first-use imports)")
-    p.add_argument("--fsdptk-gc", default="pause", choices=["pause", "on", "freeze"],
-                   help="an experiment on fsdptk's call only: pause: the collector paused for the call (the "
-                        "library's own behaviour); on: left on; freeze: gc.freeze() at the call's start, so "
-                        "collections examine only what the call makes")
+    p.add_argument("--fsdptk-gc", default="library", choices=["library", "disable", "on", "freeze"],
+                   help="an experiment on fsdptk's call only: library: the library's own behaviour "
+                        "(fsdptk.hf.pretrained._gc_quiet); disable: the collector paused for the call (the "
+                        "library's behaviour before issue 44); on: left on; freeze: gc.freeze() at the call's start, "
+                        "gc.unfreeze() at its end, whatever the caller froze")
     p.add_argument("--sample-ms", type=float, default=2.0,
                    help="period of the driver's RssAnon sampling of every rank (0: off, no peak)")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "fsdptk-hf-probe"))

@@ -211,9 +211,11 @@ def from_pretrained(
     Without a process group (one process) nothing is sharded: the model is built on ``meta`` and
     loaded whole, so the same script runs unchanged under ``python`` and ``torchrun``.
 
-    Python's cyclic garbage collector is paused for the call and restored as it was (on errors
-    too): building the model creates hundreds of thousands of objects, none of them garbage, and
-    the collector's passes over them took about 1 s of a 4 GB load on 4 ranks.
+    Python's cyclic garbage collector is kept off the objects that existed before the call
+    (``gc.freeze()`` for the call, ``gc.unfreeze()`` after it, on errors too; paused instead where
+    the caller froze objects itself): building the model creates hundreds of thousands of
+    objects, none of them garbage, and the collector's passes over everything took about 1 s of a
+    4 GB load on 4 ranks; collections during the call examine only what it makes.
 
     Args:
         path: a checkpoint directory: ``config.json`` and ``model.safetensors`` (or shards and
@@ -267,34 +269,52 @@ def from_pretrained(
         >>> model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape
         torch.Size([1, 3, 256])
     """
-    with _gc_paused():
+    with _gc_quiet():
         return _from_pretrained(Path(path), dims, dtype, mp_policy, activation_checkpointing, device,
                                 shard_on_read, trust_remote_code)
 
 
 @contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector for the block (restored as it was, on errors too).
+def _gc_quiet() -> Iterator[None]:
+    """Keep Python's cyclic garbage collector off what existed before the block (restored as it
+    was, on errors too).
 
     Building a transformers model imports its modules and creates hundreds of thousands of
-    objects; the collector then runs hundreds of times over them while nothing they hold is
-    garbage (measured: 2.5 s of collections in one 4 GB load on 4 ranks). Reference counting still
-    frees everything; cycles made during the call are collected by the next collection after it.
+    objects; a full collection examines every tracked object of the process, and the collector ran
+    hundreds of times over objects none of which was garbage (measured: 2.5 s of collections in
+    one 4 GB load on 4 ranks). ``gc.freeze()`` moves what exists to the permanent generation, so
+    the collections that still run during the block examine only what the block makes, and the
+    garbage the block's first-use imports leave (cycles) is freed as it goes, where pausing the
+    collector kept it until after the call (about 6 MB more at the load's peak per rank, measured
+    beside transformers: ``benchmarks/NOTES_hf.md``). ``gc.unfreeze()`` afterwards returns those
+    objects to the oldest generation.
+
+    Where the caller froze objects itself (``gc.get_freeze_count() > 0``) unfreezing would also
+    unfreeze theirs, so the collector is paused instead (``gc.disable()``); where it is disabled
+    already, nothing changes.
     """
-    was = gc.isenabled()
-    gc.disable()
+    if not gc.isenabled():
+        yield
+        return
+    if gc.get_freeze_count():
+        gc.disable()
+        try:
+            yield
+        finally:
+            gc.enable()
+        return
+    gc.freeze()
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        gc.unfreeze()
 
 
 def _from_pretrained(directory: Path, dims: ParallelDims | None, dtype: torch.dtype | None,
                      mp_policy: MixedPrecisionPolicy | None, activation_checkpointing: bool,
                      device: torch.device | str | None, shard_on_read: bool | None,
                      trust_remote_code: bool) -> nn.Module:
-    """:func:`from_pretrained`'s composition (the collector already paused)."""
+    """:func:`from_pretrained`'s composition (inside :func:`_gc_quiet`)."""
     from fsdptk._core.dist import agreed, has_process_group, world
     from fsdptk._files.common import infer_device
     from fsdptk.activation import apply_activation_checkpointing
