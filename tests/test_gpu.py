@@ -498,3 +498,108 @@ def test_nccl_expert_parallel_save_with_two_writers_and_large_messages(gpu_world
     """Experts of 64 MiB (``gate_up_proj``: 4 experts x 1024 x 4096 fp32), ``ep=2``."""
     res = gpu_world(n).run(_ep_save, str(tmp_path), 2, 4, 1024, 2048, timeout=_P2P_TIMEOUT)
     assert res == [{"ep_sharded": True, "saved": True, "gathered": True}] * n, res
+
+
+# ---------------------------------------------------------------------------------------------
+# weights out to an inference engine over NCCL (issue 41): fsdptk.hf.weight_source on CUDA shards
+
+
+def _fp8_rule(name: str, t: torch.Tensor) -> bool:
+    return name.startswith("layers.") and t.dim() == 2
+
+
+_STREAMS = {  # the kinds of stream an RL trainer pushes: bf16 rollouts and an FP8 release
+    "bf16": {"dtype": torch.bfloat16},
+    "fp8": {"dtype": torch.bfloat16, "quantize": "fp8", "block_size": (16, 16), "quantize_if": _fp8_rule},
+}
+
+
+def _raw(t: torch.Tensor) -> tuple[str, tuple[int, ...], torch.Tensor]:
+    """A tensor as its dtype, shape and bytes (float8 tensors do not cross a process boundary on
+    every torch: the World's result pickles them through a storage that has no dtype)."""
+    return str(t.dtype), tuple(t.shape), t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().clone()
+
+
+def _reference_streams(sd: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """The same streams from the unsharded model on the CPU, in one process (no process group):
+    what the CPU tests check against vLLM's own classes and ``per_block_cast_to_fp8``."""
+    from fsdptk.hf import weight_source
+
+    plain = _Net(**_BIG)
+    plain.load_state_dict(sd)
+    return {kind: {name: _raw(t) for name, t in weight_source(plain, conversion=None, **kw).iter_full()}
+            for kind, kw in _STREAMS.items()}
+
+
+def _weight_stream(bucket_bytes: int) -> dict:
+    """Every owner mode and stream kind from CUDA shards over NCCL: what each rank yields, where its
+    tensors are, and the CUDA memory the pass took beyond the shards; then two passes with
+    ``keep_buffers`` around SGD steps, each against the model's gathered weights."""
+    from fsdptk import load_from_full_model_state_dict
+    from fsdptk.hf import weight_source
+
+    rank, world, device = dist.get_rank(), dist.get_world_size(), _device()
+    sd = _full_sd(_BIG, 5)
+    model = _meta_model(_BIG)
+    load_from_full_model_state_dict(model, dict(sd), device, strict=True)
+    out: dict = {"got": {}, "owned": {}, "devices": set(), "peak": {}, "bad": []}
+    for owners in sorted({1, world}) + ["all"]:
+        for kind, kw in _STREAMS.items():
+            source = weight_source(model, conversion=None, owners=owners, bucket_bytes=bucket_bytes, **kw)
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            got = {}
+            for name, t in source.iter_full():
+                out["devices"].add(t.device.type)
+                got[name] = _raw(t)
+            torch.cuda.synchronize(device)
+            out["peak"][f"{owners}/{kind}"] = torch.cuda.max_memory_allocated(device) - base
+            out["got"][f"{owners}/{kind}"] = got
+            out["owned"][f"{owners}/{kind}"] = source.owned_names(rank)
+    # two passes of one reused source around training steps: each reads the current weights
+    source = weight_source(model, conversion=None, owners=1, bucket_bytes=bucket_bytes, dtype=torch.bfloat16,
+                           keep_buffers=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out["passes"] = []
+    for s in range(2):
+        _train(model, opt, _BIG, range(s, s + 1), world, device)
+        streamed = {name: t.clone() for name, t in source.iter_full()}
+        full = _gathered(model)
+        out["passes"].append(rank != 0 or (sorted(streamed) == sorted(full) and all(
+            torch.equal(streamed[k], full[k].to(torch.bfloat16)) for k in full)))
+    out["bad"] += _device_mismatches(model.named_parameters())
+    return out
+
+
+@pytest.mark.parametrize("n", _gpu_worlds())
+def test_nccl_weight_source_streams_what_the_unsharded_cpu_model_streams(gpu_world, n: int) -> None:
+    """bf16 and FP8 streams from CUDA shards over NCCL, owners 1, W and "all": every rank yields
+    its owned names as CPU tensors, bit for bit the single-process CPU stream of the same weights
+    (quantized on the GPU's gathered tensors or not, the same bytes), every name once (owners 1
+    and W) or on every rank ("all"); the CUDA memory a pass takes beyond the shards stays within
+    two buckets and the largest tensor; a kept source streams the current weights after each step."""
+    bucket = 1 << 20
+    res = gpu_world(n).run(_weight_stream, bucket, timeout=_P2P_TIMEOUT)
+    ref = _reference_streams(_full_sd(_BIG, 5))
+    largest = max(t.numel() * 4 for t in _full_sd(_BIG, 5).values())
+    for key in res[0]["got"]:
+        owners, kind = key.split("/")
+        want = ref[kind]
+        owned = [r["owned"][key] for r in res]
+        if owners == "all":
+            assert all(o == list(want) for o in owned), (key, owned)
+        else:
+            assert sorted(name for o in owned for name in o) == sorted(want), (key, owned)  # every name, once
+        for r, out in enumerate(res):
+            got = out["got"][key]
+            assert list(got) == out["owned"][key], (key, r, list(got))
+            diff = [k for k in got if got[k][:2] != want[k][:2] or not torch.equal(got[k][2], want[k][2])]
+            assert diff == [], f"{key} rank {r}: not the CPU stream's bytes: {diff}"
+            assert out["peak"][key] <= 2 * bucket + largest, (key, r, out["peak"][key])
+    assert any(d == str(torch.float8_e4m3fn) for d, _, _ in ref["fp8"].values())  # the rule chose weights
+    assert any(d == str(torch.float8_e4m3fn) for d, _, _ in res[0]["got"]["1/fp8"].values())
+    for r, out in enumerate(res):
+        assert out["devices"] == {"cpu"}, (r, out["devices"])
+        assert out["passes"] == [True, True], (r, out["passes"])
+        assert out["bad"] == [], (r, out["bad"])
