@@ -51,12 +51,12 @@ else
     TORCH="torch==$NEWEST_TORCH"
 fi
 if ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
-    NOCACHE=()
     if [ "$LEG" = newest ]; then
-        # PyPI's CUDA build: about 3 GB of wheels that unpack to about 5.5 GB. Without pip's cache
-        # the wheels are held once (in the temporary directory), not twice; the peak is about 9 GB.
-        NOCACHE=(--no-cache-dir)
-        NEED_GB="${FSDPTK_NEWEST_NEED_GB:-9}"
+        # PyPI's CUDA build: about 3 GB of wheels that unpack to about 5.5 GB. One pip command
+        # holds all of its wheels in its temporary directory until it ends (a peak near 9 GB);
+        # scripts/pip_batched.py installs the same resolved set in batches of at most 512 MB of
+        # wheels, without pip's cache: the peak is about 6 GB.
+        NEED_GB="${FSDPTK_NEWEST_NEED_GB:-7}"
         for DIR in "$VENV" "${TMPDIR:-/tmp}"; do
             FREE_KB="$(df -Pk "$DIR" | awk 'NR == 2 {print $4}')"
             if [ "$FREE_KB" -lt $((NEED_GB * 1024 * 1024)) ]; then
@@ -69,7 +69,11 @@ if ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
         done
     fi
     echo "[setup] installing $TORCH into $VENV"
-    "$VPY" -m pip install -q "${NOCACHE[@]}" "${PINS[@]}" "$TORCH"
+    if [ "$LEG" = newest ]; then
+        "$VPY" scripts/pip_batched.py --tag setup "$TORCH"
+    else
+        "$VPY" -m pip install -q "${PINS[@]}" "$TORCH"
+    fi
 fi
 if ! "$VPY" -c 'import fsdptk, safetensors, torchao, tqdm' >/dev/null 2>&1 || [ -n "$EXTRAS" ]; then
     echo "[setup] installing fsdptk${EXTRAS:+[$EXTRAS]} (editable) into $VENV"
