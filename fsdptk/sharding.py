@@ -29,6 +29,7 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 
+from fsdptk._core.compat import shared_mesh_concatenation
 from fsdptk._core.dist import has_process_group, log_rank0, world
 from fsdptk._plans.sharding import (
     ShardingPlan,
@@ -326,23 +327,26 @@ def shard_model(
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
         "shard_placement_fn": shard_placement_fn,
     }
-    # The experts first (innermost), over their own mesh. Gradients: see _expert_grad_scale.
-    for fqn, holder, module in experts:
-        fully_shard(holder, **{**kwargs, "mesh": expert_dp_mesh})
-        set_grad_scale(module, expert_scale)
-        log_rank0(_log, "fully_shard(%s) over the expert mesh %s, gradients scaled by %s", fqn,
-                  tuple(expert_dp_mesh.shape) if expert_dp_mesh is not None else None,
-                  expert_scale, level=logging.DEBUG)
-    # Bottom-up: a unit must be sharded before any unit that contains it, so that the outer unit
-    # skips the inner unit's parameters. Reverse registration order guarantees that (tied groups
-    # are ordered by their first member, which is valid because the planner only groups modules
-    # with the same enclosing units).
-    for unit in reversed(plan.units):
-        fully_shard(_target(unit), **kwargs)
-        log_rank0(_log, "fully_shard(%s) [rule: %s]", " + ".join(unit.fqns), unit.rule, level=logging.DEBUG)
-    root_reshard = reshard_after_forward if root_reshard_after_forward is None else (
-        root_reshard_after_forward)
-    fully_shard(model, **{**kwargs, "reshard_after_forward": root_reshard})
+    # One concatenated (DP, TP/EP) mesh for all the parameters that share those meshes, instead of
+    # a new one per parameter (compat.shared_mesh_concatenation).
+    with shared_mesh_concatenation():
+        # The experts first (innermost), over their own mesh. Gradients: see _expert_grad_scale.
+        for fqn, holder, module in experts:
+            fully_shard(holder, **{**kwargs, "mesh": expert_dp_mesh})
+            set_grad_scale(module, expert_scale)
+            log_rank0(_log, "fully_shard(%s) over the expert mesh %s, gradients scaled by %s", fqn,
+                      tuple(expert_dp_mesh.shape) if expert_dp_mesh is not None else None,
+                      expert_scale, level=logging.DEBUG)
+        # Bottom-up: a unit must be sharded before any unit that contains it, so that the outer unit
+        # skips the inner unit's parameters. Reverse registration order guarantees that (tied groups
+        # are ordered by their first member, which is valid because the planner only groups modules
+        # with the same enclosing units).
+        for unit in reversed(plan.units):
+            fully_shard(_target(unit), **kwargs)
+            log_rank0(_log, "fully_shard(%s) [rule: %s]", " + ".join(unit.fqns), unit.rule, level=logging.DEBUG)
+        root_reshard = reshard_after_forward if root_reshard_after_forward is None else (
+            root_reshard_after_forward)
+        fully_shard(model, **{**kwargs, "reshard_after_forward": root_reshard})
     for note in plan.notes:
         log_rank0(_log, "shard_model: %s", note)
     log_rank0(

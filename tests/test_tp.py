@@ -549,3 +549,57 @@ def test_build_tp_plan_rules() -> None:
 def test_public_exports() -> None:
     for name in ("prepare_mha_for_tp", "apply_tp", "build_tp_plan", "llama_tp_plan"):
         assert getattr(fsdptk, name) is globals()[name]
+
+
+# --------------------------------------------------------------------------- the shared mesh concatenation
+
+
+def _shared_concatenation() -> dict:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fsdptk._core.compat import shared_mesh_concatenation
+
+    before = DeviceMesh.__dict__["_concatenate"]
+    mesh, tp_mesh = _mesh(2, 2)
+    out: dict = {}
+    with shared_mesh_concatenation():
+        a = DeviceMesh._concatenate([mesh, tp_mesh])
+        with shared_mesh_concatenation():  # nested: the same patch, the same cache
+            b = DeviceMesh._concatenate([mesh, tp_mesh])
+        c = DeviceMesh._concatenate([mesh, tp_mesh])
+        out["inner_restored_early"] = DeviceMesh.__dict__["_concatenate"] is before
+    plain = DeviceMesh._concatenate([mesh, tp_mesh])
+    out["one_object"] = a is b is c
+    out["equal_to_plain"] = a == plain and a.mesh_dim_names == plain.mesh_dim_names
+    out["plain_is_new"] = plain is not a
+    out["restored"] = DeviceMesh.__dict__["_concatenate"] is before
+    try:
+        with shared_mesh_concatenation():
+            raise KeyError("inside")
+    except KeyError:
+        out["restored_after_error"] = DeviceMesh.__dict__["_concatenate"] is before
+    # shard_model over TP: every TP parameter's sharded spec on one (dp, tp) mesh object
+    model = _parallel_model(spec(), dp=2, tp=2, fsdp=True, sequence_parallel=False)
+    two_d = {id(p.device_mesh) for p in model.parameters() if p.device_mesh.ndim == 2}
+    out["two_d_meshes"] = len(two_d)
+    out["restored_after_shard_model"] = DeviceMesh.__dict__["_concatenate"] is before
+    with torch.no_grad():  # and the model still runs and matches the single-process model
+        x, _ = data(spec(), 0)
+        out["max_diff"] = float((_full(model(x)) - build(spec())(x)).abs().max())
+    return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def test_shard_model_shares_one_concatenated_mesh_and_restores_torch(world) -> None:
+    """fully_shard concatenates (dp, tp) once per TP parameter; inside shard_model the equal
+    concatenations are one DeviceMesh (compat.shared_mesh_concatenation), equal to the one torch
+    builds, and torch's own function is back after the block (nested, after an error)."""
+    for out in world(4).run(_shared_concatenation):
+        assert out["one_object"] and out["equal_to_plain"] and out["plain_is_new"], out
+        assert not out["inner_restored_early"], out
+        assert out["restored"] and out["restored_after_error"] and out["restored_after_shard_model"], out
+        assert out["two_d_meshes"] == 1, out
+        assert out["max_diff"] < 1e-5, out
