@@ -16,7 +16,9 @@ step, the directory loads as the complete old or the complete new checkpoint.
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
 import os
 import shutil
 import uuid
@@ -117,6 +119,131 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers; its stubs lack __buffer__
 
 
+# Direct I/O (O_DIRECT) for the shards: a save fsyncs every file before its commit anyway, so the
+# data may as well go to the disk without passing through the page cache. On this project's machines
+# (virtual, 2 cores) writing 2 GB through the page cache and then fsyncing took 3.3-8.2 s where the
+# same bytes written with O_DIRECT took 1.4-1.8 s (dd, 16 MiB blocks), and the page cache keeps what
+# it held. FSDPTK_DIRECT_IO=0 turns it off.
+# offsets, lengths and buffer addresses of O_DIRECT writes: a multiple of this (a page, so no page
+# of the page cache holds both a block written directly and one written through the cache)
+_ALIGN = max(4096, mmap.PAGESIZE)
+_STAGE = 16 << 20  # the staging buffer of one file (a multiple of _ALIGN)
+_MIN_DIRECT = 8 << 20  # a write with fewer whole blocks goes through the page cache (a direct write waits for the disk)
+
+
+def _direct_io() -> bool:
+    return hasattr(os, "O_DIRECT") and os.environ.get("FSDPTK_DIRECT_IO", "1") != "0"
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+class _ShardOut:
+    """One temporary shard file being written: tensors at their planned offsets (any order), then
+    :meth:`finish` (durable) or :meth:`close` (abandoned).
+
+    Each write's whole aligned blocks go to the disk with ``O_DIRECT``, copied through a
+    page-aligned staging buffer; its unaligned head and tail (under one block each, the blocks it
+    shares with its neighbours) and writes too small to be worth it go through the page cache.
+    No block is written both ways, and :meth:`finish` fsyncs the file, so the bytes on disk are
+    those of ordinary writes. A filesystem that refuses ``O_DIRECT`` (``EINVAL`` from the open or
+    from a write) gets ordinary writes from there on.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self._direct = False
+        if _direct_io():
+            try:
+                self._fd = os.open(path, flags | os.O_DIRECT, 0o666)
+                self._direct = True
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: this filesystem has no O_DIRECT
+                    raise
+        if not self._direct:
+            self._fd = os.open(path, flags, 0o666)
+        self._plain_fd = -1  # the same file without O_DIRECT, for the heads and tails
+        self._buf: mmap.mmap | None = None
+
+    def _plain(self) -> int:
+        if not self._direct:
+            return self._fd
+        if self._plain_fd < 0:
+            self._plain_fd = os.open(self._path, os.O_WRONLY)
+        return self._plain_fd
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        """Write ``data`` (bytes) at ``offset``."""
+        n = len(data)
+        lo = -(-offset // _ALIGN) * _ALIGN  # the first whole block
+        hi = (offset + n) // _ALIGN * _ALIGN  # the end of the last one
+        if not self._direct or hi - lo < _MIN_DIRECT:
+            _pwrite_all(self._plain(), data, offset)
+            return
+        if lo > offset:
+            _pwrite_all(self._plain(), data[:lo - offset], offset)
+        self._write_direct(data[lo - offset:hi - offset], lo)
+        if offset + n > hi:
+            _pwrite_all(self._plain(), data[hi - offset:], hi)
+
+    def _write_direct(self, data: memoryview, offset: int) -> None:
+        if self._buf is None:
+            self._buf = mmap.mmap(-1, _STAGE)  # anonymous: page-aligned
+        view = memoryview(self._buf)
+        try:
+            pos = 0
+            while pos < len(data):
+                k = min(len(data) - pos, _STAGE)  # a multiple of _ALIGN: so are len(data) and _STAGE
+                view[:k] = data[pos:pos + k]
+                if self._direct:
+                    try:
+                        _pwrite_all(self._fd, view[:k], offset + pos)
+                        pos += k
+                        continue
+                    except OSError as e:
+                        if e.errno != errno.EINVAL:  # e.g. ENOSPC: the save fails as before
+                            raise
+                        self._set_buffered()  # opened with O_DIRECT but will not write so
+                _pwrite_all(self._fd, data[pos:], offset + pos)
+                return
+        finally:
+            view.release()
+
+    def _set_buffered(self) -> None:
+        import fcntl
+
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        self._direct = False
+
+    def _release(self) -> None:
+        buf, self._buf = self._buf, None
+        if buf is not None:
+            try:
+                buf.close()
+            except BufferError:  # a slice of it lives in a pending traceback: freed with it
+                pass
+
+    def finish(self) -> None:
+        """fsync the file (its direct and its ordinary writes) and close it."""
+        try:
+            os.fsync(self._fd)  # the inode: both descriptors' writes
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the file (and drop the staging buffer); idempotent."""
+        self._release()
+        for name in ("_plain_fd", "_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                setattr(self, name, -1)
+                os.close(fd)
+
+
 class ShardFiles:
     """Write the tensors of some files of a planned checkpoint under their temporary names.
 
@@ -145,7 +272,7 @@ class ShardFiles:
         self._entries = {e.key: e for f in self.files for e in f.entries}
         self.total_size = sum(e.nbytes for e in self._entries.values())
         self._token = token or uuid.uuid4().hex[:8]
-        self._handles: dict[int, Any] = {}
+        self._handles: dict[int, _ShardOut] = {}
         self._done: set[int] = set()
         self._written: set[str] = set()
         self._own: set[int] | None = None  # the files this writer writes (None: all of them)
@@ -181,19 +308,16 @@ class ShardFiles:
         if fh is None:
             f = self.files[i]
             try:
-                fh = open(self._tmp(f.name), "wb")  # noqa: SIM115 - kept open across writes, closed in close()
+                fh = _ShardOut(self._tmp(f.name))
             except OSError as e:
                 raise type(e)(e.errno, f"cannot write to checkpoint directory "
                                        f"{str(self.directory)!r}: {e.strerror}") from e
             self._handles[i] = fh
-            fh.write(f.header)
+            fh.write_at(0, memoryview(f.header))
         return fh
 
     def _finish(self, i: int) -> None:
-        fh = self._handles[i]
-        fh.flush()
-        os.fsync(fh.fileno())
-        fh.close()
+        self._handles[i].finish()
         self._done.add(i)
 
     def write(self, key: str, tensor: torch.Tensor) -> int:
@@ -208,9 +332,7 @@ class ShardFiles:
                                   f"{e.shape} {e.dtype}")
         if key in self._written:
             raise CheckpointError(f"key {key!r} written twice")
-        fh = self._open(e.file)
-        fh.seek(e.offset)
-        fh.write(_tensor_bytes(tensor))
+        self._open(e.file).write_at(e.offset, _tensor_bytes(tensor))
         self._written.add(key)
         f = self.files[e.file]
         f.remaining -= 1
