@@ -252,7 +252,7 @@ def _run_one(method: str, mesh: str, world: int, dims: tuple[int, int, int], siz
     spec = {"method": method, "dp_shard": dims[0], "tp": dims[1], "ep": dims[2], "ckpt_dir": str(ckpt),
             "batch": list(args.batch), "optimizer": args.optimizer,
             "optimizer_after": args.optimizer_after, "skip_step": args.skip_step and clock in ("warm", "user"),
-            "save_dir": str(out / "saved"), "clock": clock,
+            "save_dir": str(out / "saved"), "clock": clock, "save_clock": args.save_clock,
             "imports": {"warm": "union", "cold": "own", "user": "user"}[clock],
             "skip_save": clock == "cold" or args.model.endswith("_fp8"),
             "quant": "fp8" if args.model.endswith("_fp8") else None,
@@ -357,7 +357,8 @@ def _environment(args: argparse.Namespace, seconds: float, load_before: tuple[fl
             "platform": platform.platform(), "versions": _versions(), "seconds": seconds,
             "loadavg_before": list(load_before), "loadavg_end": list(os.getloadavg()),
             "sizes": args.sizes, "worlds": args.worlds, "model": args.model, "clocks": args.clocks, "meshes": args.meshes, "repeats": args.repeats,
-            "batch": list(args.batch), "optimizer": args.optimizer, "optimizer_after": args.optimizer_after, "skip_step": args.skip_step, "quick": args.quick, "malloc_mmap_threshold": args.malloc_mmap_threshold}
+            "batch": list(args.batch), "optimizer": args.optimizer, "optimizer_after": args.optimizer_after, "skip_step": args.skip_step, "quick": args.quick, "malloc_mmap_threshold": args.malloc_mmap_threshold,
+            "save_clock": args.save_clock}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -390,6 +391,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-step", action="store_true",
                    help="no training step (load, first forward and save only): for repeats of the load, as the step "
                         "is compute on this machine (tens of seconds from 2 GB)")
+    p.add_argument("--save-clock", default="synced", choices=["as-is", "synced", "durable"],
+                   help="synced: os.sync() before every save, so neither method's clock includes (or skips) the "
+                        "write-back of what earlier runs left dirty; durable: also fsync the files transformers' "
+                        "save_pretrained wrote, inside its clock (fsdptk's save fsyncs its own before it commits); "
+                        "as-is: neither (results before issue 44's second session)")
     p.add_argument("--optimizer-after", default="load", choices=["load", "forward"],
                    help="build the optimizer right after the load (default) or after the first (no_grad) forward; "
                         "transformers' tail unit (final norm, lm_head; reshard_after_forward=False) stays gathered "

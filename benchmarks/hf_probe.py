@@ -474,7 +474,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     versions, commit = _versions(), _git_commit()
     factors = {k: getattr(args, k) for k in ("malloc", "gc", "order", "imports", "clock", "page_cache", "threads",
-                                             "sample_ms", "fsdptk_gc", "writers", "max_shard_size")}
+                                             "sample_ms", "fsdptk_gc", "writers", "max_shard_size", "save_clock")}
 
     def meta(partial: bool) -> dict[str, Any]:
         return {"command": "python -m benchmarks hf-probe " + " ".join(args.argv),
@@ -497,7 +497,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     spec = {"method": method, "ckpt": str(ckpt), "dp_shard": dims[0], "tp": dims[1],
                             "save": args.save, "gc": args.gc, "imports": args.imports, "clock": args.clock,
                             "fsdptk_gc": args.fsdptk_gc, "writers": args.writers,
-                            "max_shard_size": args.max_shard_size,
+                            "max_shard_size": args.max_shard_size, "save_clock": args.save_clock,
                             "threads": args.threads}
                     out = work / "runs" / f"{mesh}-w{world}-r{rep}-{method}"
                     shutil.rmtree(out, ignore_errors=True)
@@ -585,6 +585,10 @@ def _rank(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
 
         def save(model: Any, where: str) -> None:
             model.save_pretrained(where)
+            if spec.get("save_clock") == "durable" and rank == 0:  # its files on disk, as fsdptk's commit does
+                from .hf_worker import _fsync_tree
+
+                _fsync_tree(Path(where))
     else:
         def load() -> Any:
             return fsdptk.hf.from_pretrained(path, dims=fsdptk.ParallelDims(dp_shard=f, tp=t), dtype=torch.float32)
@@ -610,6 +614,8 @@ def _rank(spec: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     rec["local_numel"] = sum(getattr(p, "to_local", lambda p=p: p)().numel() for p in model.parameters())
     if spec["save"]:
         where = str(Path(spec["out_dir"]) / "saved")
+        if spec.get("save_clock", "as-is") != "as-is":  # the disk's write-back queue empty for both methods
+            os.sync()
         _, (_, _, rec["save_s"]) = _timed(lambda: save(model, where), dist, spec)
     return rec
 
@@ -693,6 +699,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-shard-size", default="5GB",
                    help="fsdptk's save: save_safetensors(max_shard_size=...) (with --writers > 1, small enough that "
                         "there is a file per writer)")
+    p.add_argument("--save-clock", default="as-is", choices=["as-is", "synced", "durable"],
+                   help="as-is (the issue's harness): nothing before the save; synced: os.sync() before every save, "
+                        "so neither clock includes (or skips) the write-back of what earlier runs left dirty; "
+                        "durable: also fsync transformers' files inside its clock (fsdptk's save fsyncs its own)")
     p.add_argument("--floor", action="store_true",
                    help="also time, in the same fresh world, what both calls share on first use: importing "
                         "transformers' modeling code for the model (method imports-floor), and the same with the "
