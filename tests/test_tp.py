@@ -603,3 +603,51 @@ def test_shard_model_shares_one_concatenated_mesh_and_restores_torch(world) -> N
         assert out["restored"] and out["restored_after_error"] and out["restored_after_shard_model"], out
         assert out["two_d_meshes"] == 1, out
         assert out["max_diff"] < 1e-5, out
+
+
+def _concatenation_block(entered: Any, leave: Any, fail: bool) -> None:
+    """One thread's ``shared_mesh_concatenation`` block: open until ``leave`` is set."""
+    from fsdptk._core.compat import shared_mesh_concatenation
+
+    with shared_mesh_concatenation():
+        entered.set()
+        assert leave.wait(30), "the test never let this block exit"
+        if fail:
+            raise KeyError("inside")
+
+
+@pytest.mark.parametrize("order", ["first-out-first", "last-out-first"])
+@pytest.mark.parametrize("fail", [False, True], ids=["ok", "error"])
+def test_blocks_in_two_threads_exiting_in_any_order_restore_torch(order: str, fail: bool) -> None:
+    """A enters, B enters, then A or B exits first (with an exception, or not): the patch stays
+    installed while either block is open, and torch's own function is back once both are out."""
+    import threading
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+    torch_own = DeviceMesh.__dict__["_concatenate"]
+    events = {name: (threading.Event(), threading.Event()) for name in "AB"}
+    errors: list[BaseException] = []
+
+    def run(name: str) -> None:
+        try:
+            _concatenation_block(*events[name], fail)
+        except BaseException as e:  # noqa: BLE001 - reported by the test thread
+            errors.append(e)
+
+    threads = {name: threading.Thread(target=run, args=(name,)) for name in "AB"}
+    for name in "AB":  # A enters, then B
+        threads[name].start()
+        assert events[name][0].wait(30), name
+    assert DeviceMesh.__dict__["_concatenate"] is not torch_own
+    first, second = ("A", "B") if order == "first-out-first" else ("B", "A")
+    events[first][1].set()
+    threads[first].join(30)
+    assert DeviceMesh.__dict__["_concatenate"] is not torch_own  # the other block is still open
+    events[second][1].set()
+    threads[second].join(30)
+    try:
+        assert DeviceMesh.__dict__["_concatenate"] is torch_own
+        assert [type(e) for e in errors] == ([KeyError, KeyError] if fail else [])
+    finally:
+        DeviceMesh._concatenate = torch_own  # never leave the patch to the other tests

@@ -121,9 +121,27 @@ def clear_dtensor_caches() -> None:
 
 
 _CONCAT_LOCK = threading.Lock()
+# Every block of every thread shares one patch: the first block to enter installs it, the last one
+# to leave (whatever the order: a block of one thread may exit while another's is still open)
+# puts back the function torch had before the first, saved here when that block installed it.
 _CONCAT_DEPTH = 0
+_CONCAT_SAVED: tuple[Any, Any] | None = None  # (torch's own staticmethod, the one installed over it)
 # (id of each mesh, ...) -> (the meshes, kept alive so their ids stay theirs; the concatenation)
 _CONCAT_CACHE: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
+
+
+def _cached_concatenation(raw: Any) -> Any:
+    """``raw`` (torch's ``DeviceMesh._concatenate``) with its results kept in ``_CONCAT_CACHE``."""
+
+    def concatenate(device_mesh_list: list[Any]) -> Any:
+        key = tuple(id(m) for m in device_mesh_list)
+        hit = _CONCAT_CACHE.get(key)
+        if hit is None:
+            hit = (tuple(device_mesh_list), raw(device_mesh_list))
+            _CONCAT_CACHE[key] = hit
+        return hit[1]
+
+    return staticmethod(concatenate)
 
 
 @contextmanager
@@ -135,39 +153,43 @@ def shared_mesh_concatenation() -> Iterator[None]:
     checks, the rank map remapped, coordinates computed): for a 10-layer Llama on 4 ranks, FSDP x TP,
     that was a third of ``shard_model``'s time. Every call with the same meshes builds an equal
     mesh, so the block hands back the first one (meshes compare by layout and rank map, so the
-    parameters' specs are equal either way). Outside the block, and where torch has no
-    ``_concatenate``, nothing changes; nested and concurrent blocks share one patch.
+    parameters' specs are equal either way).
+
+    The patch is process-wide (it replaces the class attribute), so blocks share it: nested blocks
+    and blocks open at the same time in several threads use one patch and one cache, installed
+    (under a lock) by the first block to enter, with torch's own function saved then; when the last
+    open block exits, whichever it is and in whatever order the blocks exit, torch's own function
+    is put back and the cache dropped, also when a block exits with an exception. While any block
+    is open, ``fully_shard`` calls outside every block (another thread) share the cache too. Where
+    this torch has no ``_concatenate`` (or it is not a staticmethod), nothing changes; where
+    something else replaced the patch while a block was open, that replacement is left as it is.
     """
-    global _CONCAT_DEPTH
+    global _CONCAT_DEPTH, _CONCAT_SAVED
     from torch.distributed.device_mesh import DeviceMesh
 
-    original = DeviceMesh.__dict__.get("_concatenate")
-    if not isinstance(original, staticmethod):  # a torch without it, or a different shape of it
+    with _CONCAT_LOCK:  # _CONCAT_SAVED is set exactly while _CONCAT_DEPTH > 0
+        if _CONCAT_DEPTH == 0:
+            original = DeviceMesh.__dict__.get("_concatenate")
+            if isinstance(original, staticmethod):  # else a torch without it, or a different shape of it
+                patched = _cached_concatenation(original.__func__)
+                DeviceMesh._concatenate = patched  # type: ignore[method-assign]
+                _CONCAT_SAVED = (original, patched)
+        entered = _CONCAT_SAVED is not None
+        if entered:
+            _CONCAT_DEPTH += 1
+    if not entered:
         yield
         return
-    raw = original.__func__
-
-    def concatenate(device_mesh_list: list[Any]) -> Any:
-        key = tuple(id(m) for m in device_mesh_list)
-        hit = _CONCAT_CACHE.get(key)
-        if hit is None:
-            hit = (tuple(device_mesh_list), raw(device_mesh_list))
-            _CONCAT_CACHE[key] = hit
-        return hit[1]
-
-    with _CONCAT_LOCK:
-        if _CONCAT_DEPTH == 0:
-            DeviceMesh._concatenate = staticmethod(concatenate)  # type: ignore[method-assign]
-        _CONCAT_DEPTH += 1
-        patched = DeviceMesh.__dict__["_concatenate"]
     try:
         yield
     finally:
         with _CONCAT_LOCK:
             _CONCAT_DEPTH -= 1
-            if _CONCAT_DEPTH == 0:
-                if DeviceMesh.__dict__.get("_concatenate") is patched:
-                    DeviceMesh._concatenate = original  # type: ignore[method-assign]
+            saved = _CONCAT_SAVED
+            if _CONCAT_DEPTH == 0 and saved is not None:  # the last open block: torch's own back
+                if DeviceMesh.__dict__.get("_concatenate") is saved[1]:
+                    DeviceMesh._concatenate = saved[0]  # type: ignore[method-assign]
+                _CONCAT_SAVED = None
                 _CONCAT_CACHE.clear()
 
 
