@@ -214,3 +214,45 @@ def test_transpose_with_check_dims_is_planned_from_the_shapes(world, tmp_path, s
     want = plain.state_dict()
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want), [k for k in want if not torch.equal(got[k], want[k])]
+
+
+# ---------------------------------------------------------------------------------------------
+# a mapping transformers registers by class name survives fully_shard's renamed class (issue 49, 11)
+_NEOX = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=64,
+             tie_word_embeddings=False)
+
+
+def _neox_round_trip(src: str, out: str) -> tuple[str, dict[str, torch.Tensor]]:
+    from fsdptk import gather_cpu_state_dict, save_safetensors
+    from fsdptk.hf import from_pretrained
+
+    model = from_pretrained(src)  # shard_model, then a strict load of the Hub keys (embed_out.weight)
+    save_safetensors(model, out)
+    return type(model).__name__, gather_cpu_state_dict(model, torch.distributed.get_rank() == 0)
+
+
+def test_a_mapping_registered_by_class_name_applies_after_shard_model(world, tmp_path):
+    """transformers registers ``GPTNeoXForCausalLM``'s rule (``embed_out.`` in the files, ``lm_head.``
+    in the model) by class name; ``fully_shard`` turns the root's class into ``FSDPGPTNeoXForCausalLM``
+    (a torch module, so transformers would also skip it as custom code). The load and the save of the
+    sharded model still follow the rule: the state transformers loads, and the file ``save_pretrained``
+    wrote, key for key and bit for bit."""
+    from fsdptk import load_safetensors, save_safetensors
+    from fsdptk.hf import hf_meta_model
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.GPTNeoXConfig(**_NEOX)).save_pretrained(
+        tmp_path / "src")
+    hub = load_file(tmp_path / "src" / "model.safetensors")
+    assert "embed_out.weight" in hub and "lm_head.weight" not in hub  # the rule is in play
+    want = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src").state_dict()
+    plain = hf_meta_model(tmp_path / "src")  # before shard_model: one process, the same rule
+    load_safetensors(plain, tmp_path / "src", strict=True)
+    save_safetensors(plain, tmp_path / "plain")
+    name, got = world(2).run(_neox_round_trip, str(tmp_path / "src"), str(tmp_path / "sharded"), timeout=120)[0]
+    assert name == "FSDPGPTNeoXForCausalLM"
+    for state in (got, plain.state_dict()):
+        assert sorted(state) == sorted(want) and all(torch.equal(state[k], want[k]) for k in want)
+    for saved in ("plain", "sharded"):
+        back = load_file(tmp_path / saved / "model.safetensors")
+        assert sorted(back) == sorted(hub) and all(torch.equal(back[k], hub[k]) for k in hub), saved

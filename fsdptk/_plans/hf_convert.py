@@ -41,7 +41,7 @@ from fsdptk._engine.sources.convert import (
     apply_ops,
 )
 
-__all__ = ["hub_nodes", "hub_file_metas", "hub_save_nodes", "is_hf_model"]
+__all__ = ["built_class", "hub_nodes", "hub_file_metas", "hub_save_nodes", "is_hf_model"]
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -55,11 +55,49 @@ def is_hf_model(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
+def built_class(module: nn.Module) -> type:
+    """The class ``module`` was built as: FSDP2's ``fully_shard`` (and ``replicate``) swap a
+    module's class for a dynamic subclass named after it (``FSDPLlamaForCausalLM``, whose
+    ``__module__`` is torch's), so the class as built is the first of its MRO that is not an
+    ``FSDPModule``.
+
+    Examples:
+        >>> built_class(torch.nn.Linear(2, 2)).__name__
+        'Linear'
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def _as_built(module: nn.Module) -> nn.Module:
+    """``module`` as transformers sees a model it built: where ``fully_shard`` swapped the class of
+    a module in the tree (the root's, at least, after ``shard_model``), a stand-in of the class it
+    was built as, sharing the module's attributes (a shallow copy of its ``__dict__``, its
+    children's stand-ins in ``_modules``); ``module`` itself where nothing in its tree was swapped.
+
+    transformers resolves a model's conversion mapping from ``type(submodule).__name__`` (mappings
+    registered by class name, e.g. ``GPTNeoXForCausalLM``'s ``embed_out`` -> ``lm_head``) and skips
+    a class whose ``__module__`` is not transformers' as custom code; FSDP2's ``FSDP<Name>`` has
+    neither. The stand-in is only read (names, config, class attributes), never run, and the model
+    is not changed (another thread may be using it).
+    """
+    children = {name: None if child is None else _as_built(child) for name, child in module._modules.items()}
+    cls = built_class(module)
+    if cls is type(module) and all(children[n] is c for n, c in module._modules.items()):
+        return module
+    stand: nn.Module = object.__new__(cls)
+    state = dict(module.__dict__)
+    state["_modules"] = children
+    object.__setattr__(stand, "__dict__", state)
+    return stand
+
+
 def _mapping(model: nn.Module, *, legacy: bool) -> list[Any]:
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import PrefixChange
 
-    transforms = list(get_model_conversion_mapping(cast(Any, model), add_legacy=legacy))
+    transforms = list(get_model_conversion_mapping(cast(Any, _as_built(model)), add_legacy=legacy))
     if not legacy:  # as revert_weight_conversion does for a model not built by from_pretrained
         transforms = [t for t in transforms if not isinstance(t, PrefixChange)]
     return transforms
@@ -375,7 +413,7 @@ def hub_file_metas(model: nn.Module, shapes: Mapping[str, tuple[tuple[int, ...],
         return None
     meta_sd = {k: torch.empty(s, dtype=d, device="meta") for k, (s, d) in shapes.items()}
     try:
-        reverted = revert_weight_conversion(cast(Any, model), meta_sd)
+        reverted = revert_weight_conversion(cast(Any, _as_built(model)), meta_sd)
     except Exception as e:  # noqa: BLE001 - an operation that cannot run on shapes alone
         raise ConversionProblem(
             f"transformers' save layout for {type(model).__name__} cannot be planned from the shapes "
