@@ -183,3 +183,44 @@ def test_a_disk_error_in_a_direct_write_fails_the_save_and_leaves_no_file(tmp_pa
     monkeypatch.setattr(os, "pwrite", real)
     w.abort()
     assert [p.name for p in d.iterdir() if not p.name.startswith(".fsdptk.lock")] == []
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("where", ["header", "data"])
+@pytest.mark.parametrize("direct", ["1", "0"], ids=["direct", "plain"])
+def test_a_failed_write_leaks_no_descriptor_and_leaves_no_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               where: str, direct: str) -> None:
+    """EDQUOT (which ``shutil.disk_usage`` does not see) on the first header write, or on a
+    tensor's: the save fails naming the file and the cause, every descriptor it opened (the
+    O_DIRECT one and the plain one) is closed, no temporary file is left, and the next save of the
+    directory succeeds."""
+    from fsdptk import save_safetensors
+
+    real = os.pwrite
+
+    def pwrite(fd: int, data, offset: int) -> int:  # noqa: ANN001 - os.pwrite's own signature
+        if (offset == 0) == (where == "header"):
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        return real(fd, data, offset)
+
+    monkeypatch.setenv("FSDPTK_DIRECT_IO", direct)
+    d = tmp_path / "ckpt"
+    model = torch.nn.Linear(64, 32)
+    save_safetensors(model, d)  # a previous checkpoint: kept as it was
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    fds = _open_fds()
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    for _ in range(3):
+        with pytest.raises(OSError, match=r"'model\.safetensors' \(temporary file .*\): Disk quota exceeded") as info:
+            save_safetensors(model, d)
+        assert info.value.errno == errno.EDQUOT
+    monkeypatch.setattr(os, "pwrite", real)
+    assert _open_fds() == fds
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before  # no temporary file, no lock
+    with torch.no_grad():
+        model.weight.add_(1)
+    save_safetensors(model, d)
+    assert torch.equal(load_file(d / "model.safetensors")["weight"], model.weight)

@@ -235,13 +235,40 @@ class _ShardOut:
             self.close()
 
     def close(self) -> None:
-        """Close the file (and drop the staging buffer); idempotent."""
+        """Close the file's descriptors (both, even when closing the first fails: its error is
+        raised after the second is closed) and drop the staging buffer; idempotent."""
         self._release()
+        error: OSError | None = None
         for name in ("_plain_fd", "_fd"):
             fd = getattr(self, name)
             if fd >= 0:
                 setattr(self, name, -1)
-                os.close(fd)
+                try:
+                    os.close(fd)  # Linux frees the descriptor even when close reports an error
+                except OSError as e:
+                    error = error or e
+        if error is not None:
+            raise error
+
+
+def _named(e: OSError, what: str) -> OSError:
+    """``e`` (its type and errno) with a message that says ``what`` failed, and why."""
+    if e.errno is None:
+        return type(e)(f"{what}: {e}")
+    return type(e)(e.errno, f"{what}: {e.strerror or e}")
+
+
+def _drop(fh: _ShardOut, path: Path) -> None:
+    """Close ``fh`` and remove its file ``path`` (a failed save: nothing of it stays, and the
+    error already raised is the one reported)."""
+    try:
+        fh.close()
+    except OSError:
+        pass
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 class ShardFiles:
@@ -304,16 +331,24 @@ class ShardFiles:
         return self.directory / tmp_name(name, self._token)
 
     def _open(self, i: int) -> Any:
+        """File ``i``'s temporary file, created with its header on first use. A failure there
+        (``EDQUOT``, ``EIO``, ...) leaves nothing: both descriptors closed, the file removed."""
         fh = self._handles.get(i)
         if fh is None:
-            f = self.files[i]
+            path = self._tmp(self.files[i].name)
             try:
-                fh = _ShardOut(self._tmp(f.name))
+                fh = _ShardOut(path)
             except OSError as e:
-                raise type(e)(e.errno, f"cannot write to checkpoint directory "
-                                       f"{str(self.directory)!r}: {e.strerror}") from e
+                raise _named(e, f"cannot write to checkpoint directory {str(self.directory)!r}") from e
+            try:
+                fh.write_at(0, memoryview(self.files[i].header))
+            except BaseException as e:
+                _drop(fh, path)
+                if isinstance(e, OSError):
+                    raise _named(e, f"cannot write the header of {self.files[i].name!r} (temporary file "
+                                    f"{str(path)!r})") from e
+                raise
             self._handles[i] = fh
-            fh.write_at(0, memoryview(f.header))
         return fh
 
     def _finish(self, i: int) -> None:
@@ -332,7 +367,12 @@ class ShardFiles:
                                   f"{e.shape} {e.dtype}")
         if key in self._written:
             raise CheckpointError(f"key {key!r} written twice")
-        self._open(e.file).write_at(e.offset, _tensor_bytes(tensor))
+        fh = self._open(e.file)
+        try:
+            fh.write_at(e.offset, _tensor_bytes(tensor))
+        except OSError as err:  # the file stays open: discard() / abort() close and remove it
+            raise _named(err, f"cannot write {key!r} to {self.files[e.file].name!r} (temporary file "
+                              f"{str(self._tmp(self.files[e.file].name))!r})") from err
         self._written.add(key)
         f = self.files[e.file]
         f.remaining -= 1
@@ -415,6 +455,7 @@ class ShardedWriter(ShardFiles):
                                   f"{need} bytes, {free} are free")
             self._open(0)
         except BaseException:
+            self.discard()
             self._lock.release()
             raise
 
