@@ -663,3 +663,33 @@ def test_every_rank_is_told_about_a_bad_index(world, tmp_path: Path) -> None:
 def _load_into_linear(path: str) -> None:
     assert dist.get_world_size() == 2
     load_safetensors(nn.Linear(2, 2), path)
+
+
+@pytest.mark.parametrize("fails", ["write", "fsync"])
+def test_a_failed_lock_write_leaves_no_lock(tmp_path: Path, monkeypatch, fails: str) -> None:
+    """EDQUOT while writing the lock file (or syncing it): the save fails naming the lock file and
+    the cause, the empty lock file it created is removed, and the next save succeeds at once (not
+    CheckpointLockedError for the unreadable lock's grace period)."""
+    import errno
+
+    import fsdptk._files.lock as lock_module
+
+    real = getattr(os, fails)
+
+    def quota(*args, **kwargs):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    monkeypatch.setattr(lock_module.os, fails, quota)  # lock_module.os is os: only while the lock is taken
+    try:
+        with pytest.raises(OSError, match=r"cannot write the lock file .*\.fsdptk\.lock.*: Disk quota exceeded"):
+            DirectoryLock(d / ".fsdptk.lock", d).acquire()
+        with pytest.raises(OSError, match="Disk quota exceeded"):
+            save_safetensors(nn.Linear(4, 2), d)
+    finally:
+        monkeypatch.setattr(lock_module.os, fails, real)
+    assert os.listdir(d) == []
+    t0 = time.monotonic()
+    save_safetensors(nn.Linear(4, 2), d)
+    assert time.monotonic() - t0 < 30 and sorted(os.listdir(d)) == ["model.safetensors"]

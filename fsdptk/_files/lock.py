@@ -6,7 +6,9 @@ JSON ``{"pid", "host", "started", "proc_start", "token"}``. A second writer fail
 holder ran on this host and that process is gone (no such pid, or the pid now belongs to a process
 started at another time), or when it belongs to this very process but no live lock object holds
 it (an abandoned writer). A lock from another host is never taken over: the message says which file
-to delete once that job is known to be gone.
+to delete once that job is known to be gone. A lock file whose holder cannot be read (a writer
+killed between creating it and writing it) is stale after a grace period; a writer whose write of
+the lock file fails (``EDQUOT``, ``EIO``) removes the file it created, so it leaves no such file.
 """
 
 from __future__ import annotations
@@ -142,13 +144,47 @@ class DirectoryLock:
             raise CheckpointLockedError(self._describe(self._holder()))
         aside.unlink(missing_ok=True)
 
+    def _fill(self, fd: int) -> None:
+        """Write the holder into the lock file this process just created (``fd``) and close it.
+
+        If that fails (``EDQUOT``, ``EIO``, ...) the file is removed, so the failure does not leave
+        an unreadable lock that refuses every writer for ``_UNREADABLE_GRACE_S``. Removing it is
+        safe: the file is this process's (created with ``O_EXCL``, the same inode as ``fd``), and no
+        other writer can have taken it over meanwhile (an unreadable lock file is only taken over
+        after the grace period). Only a writer killed between the create and the write leaves an
+        empty lock file; the grace period is for that case.
+        """
+        made: os.stat_result | None = None
+        try:
+            try:
+                made = os.fstat(fd)
+                data = memoryview(json.dumps(self._info()).encode())
+                while data:
+                    data = data[os.write(fd, data):]
+                os.fsync(fd)
+            finally:
+                os.close(fd)  # on some filesystems (NFS) a failed write is only reported here
+        except BaseException as e:
+            try:
+                now = os.stat(self.path)
+                if made is not None and (now.st_dev, now.st_ino) == (made.st_dev, made.st_ino):
+                    os.unlink(self.path)
+            except OSError:  # gone already
+                pass
+            if isinstance(e, OSError) and e.errno is not None:
+                raise type(e)(e.errno, f"cannot write the lock file {str(self.path)!r} of "
+                                       f"{str(self.target)!r}: {e.strerror or e}") from e
+            raise
+
     def acquire(self) -> None:
         """Take the lock now or fail (never waits).
 
         Raises:
             CheckpointLockedError: another live writer holds it (the message names its pid, host and
                 start time, and the lock file).
-            OSError: the lock file cannot be created.
+            OSError: the lock file cannot be created or written (names the lock file and the cause;
+                a lock file this call created and could not fill is removed, so the next attempt
+                can succeed at once).
         """
         for _ in range(3):
             try:
@@ -159,11 +195,7 @@ class DirectoryLock:
                     raise CheckpointLockedError(self._describe(holder)) from None
                 self._take_over(holder)
                 continue
-            try:
-                os.write(fd, json.dumps(self._info()).encode())
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            self._fill(fd)
             _HELD.add(self.token)
             self._finalizer = weakref.finalize(self, _unlink_if_token, str(self.path), self.token)
             return
