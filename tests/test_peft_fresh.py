@@ -320,3 +320,71 @@ def test_dora_is_refused_on_every_rank(world, tmp_path_factory) -> None:
     outcomes = info.value.per_rank
     assert all(isinstance(o, RemoteError) and o.exc_type == "NotImplementedError" for o in outcomes)
     assert all("lora_magnitude_vector" in o.message for o in outcomes), outcomes[0].message
+
+
+# --------------------------------------------------------------------------- the caller's RNG state
+class _Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(16, 12)
+        self.v = torch.nn.Linear(12, 16)
+
+
+def _tiny_peft(seed: int | None, device: str = "cpu"):
+    """PEFT LoRA on a tiny model: with ``seed``, ``get_peft_model`` after ``torch.manual_seed(seed)``
+    (the judge); without, on meta (what init_adapters fills)."""
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q", "v"], init_lora_weights="gaussian")
+    base = _Tiny().to(device)
+    if seed is None:
+        with torch.device("meta"):
+            return peft.get_peft_model(base, config)
+    torch.manual_seed(seed)
+    return peft.get_peft_model(base, config)
+
+
+def _lora_values(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().cpu() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def test_init_adapters_seeds_no_device_generator_and_keeps_the_cpu_state(monkeypatch) -> None:
+    """``torch.manual_seed`` reseeds every CUDA generator: init_adapters must not call it (nor any
+    other CUDA seeding), must leave the CPU generator's state as it was, and still give the values
+    of ``get_peft_model`` after ``torch.manual_seed(seed)`` (one process, no process group)."""
+    from fsdptk.hf import init_adapters
+
+    judge = _lora_values(_tiny_peft(_SEED))
+    model = _tiny_peft(None)
+    calls: list[str] = []
+    for name in ("manual_seed", "manual_seed_all", "seed", "seed_all", "set_rng_state", "set_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, _name=name, **k: calls.append(_name))
+    torch.random.default_generator.manual_seed(77)
+    torch.rand(3)
+    state = torch.random.get_rng_state()
+    keys = init_adapters(model, seed=_SEED)
+    assert calls == []
+    assert torch.equal(state, torch.random.get_rng_state())
+    got = _lora_values(model)
+    assert sorted(keys) == sorted(judge) == sorted(got)
+    for k, v in judge.items():
+        assert torch.equal(got[k], v), k
+    assert any(v.abs().sum() > 0 for v in got.values())  # gaussian A: the generator was drawn from
+
+
+@pytest.mark.gpu
+def test_init_adapters_leaves_every_cuda_generator_as_it_was() -> None:
+    """On a GPU: every CUDA generator's state (and the CPU one's) is the same after the call, and
+    the adapters (on the GPU, where the base is) are PEFT's after ``torch.manual_seed(seed)``."""
+    from fsdptk.hf import init_adapters
+
+    judge = _lora_values(_tiny_peft(_SEED))
+    model = _tiny_peft(None, device="cuda")
+    torch.cuda.manual_seed_all(4321)
+    torch.rand(3, device="cuda")
+    cuda_states, cpu_state = torch.cuda.get_rng_state_all(), torch.random.get_rng_state()
+    init_adapters(model, seed=_SEED)
+    after = torch.cuda.get_rng_state_all()
+    assert len(after) == len(cuda_states) and all(torch.equal(a, b) for a, b in zip(cuda_states, after))
+    assert torch.equal(cpu_state, torch.random.get_rng_state())
+    assert all(p.device.type == "cuda" for n, p in model.named_parameters() if "lora_" in n)
+    got = _lora_values(model)
+    assert sorted(got) == sorted(judge) and all(torch.equal(got[k], v) for k, v in judge.items())

@@ -203,14 +203,23 @@ def attach_units(attach: list[tuple[str, Any, str, dict[str, Any]]]) -> None:
 
 def fresh_adapter_state(plan: list[tuple[str, Any, str, Any]], seed: int) -> dict[str, torch.Tensor]:
     """``{model fqn: full CPU tensor}`` of every adapter tensor of ``plan``, PEFT's own init replayed
-    from ``seed`` in a forked generator (the caller's RNG state is untouched)."""
+    from ``seed``.
+
+    The tensors are built on CPU (whatever the default device), so PEFT's init draws from the CPU
+    generator only: that one is
+    seeded as ``torch.manual_seed(seed)`` seeds it (the values are those of ``get_peft_model``
+    after ``torch.manual_seed(seed)``) inside ``fork_rng``, which puts its state back after. No
+    other generator is seeded or drawn from (not ``torch.manual_seed``: it also reseeds every
+    CUDA / accelerator generator), so the caller's RNG state, CPU and every device's, is as it was.
+    """
     out: dict[str, torch.Tensor] = {}
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        torch.random.default_generator.manual_seed(seed)
         for name, layer, adapter, init in plan:
             old_a, old_b = layer.lora_A[adapter], layer.lora_B[adapter]
-            a = nn.Linear(old_a.weight.shape[1], old_a.weight.shape[0], bias=old_a.bias is not None)
-            b = nn.Linear(old_b.weight.shape[1], old_b.weight.shape[0], bias=old_b.bias is not None)
+            # on CPU whatever the default device (torch.set_default_device, a device context)
+            a = nn.Linear(old_a.weight.shape[1], old_a.weight.shape[0], bias=old_a.bias is not None, device="cpu")
+            b = nn.Linear(old_b.weight.shape[1], old_b.weight.shape[0], bias=old_b.bias is not None, device="cpu")
             layer.lora_A[adapter], layer.lora_B[adapter] = a, b
             try:
                 if init is not False:

@@ -199,9 +199,11 @@ def init_adapters(
     ``peft.get_peft_model``, ``shard_model``, load the base checkpoint, then call this on every
     rank. Rank 0 builds each adapter tensor on CPU at its full shape with PEFT's own
     initialisation (the layer's ``nn.Linear`` constructors and ``reset_lora_parameters``, in the
-    order ``get_peft_model`` creates them) from ``torch.manual_seed(seed)`` in a forked generator,
-    so the values are those ``get_peft_model`` gives in one process after ``torch.manual_seed(seed)``,
-    and neither any rank's RNG state nor its seed matters. One load
+    order ``get_peft_model`` creates them) from the CPU generator seeded with ``seed`` (as
+    ``torch.manual_seed(seed)`` seeds it) inside ``torch.random.fork_rng``, so the values are those
+    ``get_peft_model`` gives in one process after ``torch.manual_seed(seed)``, and neither any rank's
+    RNG state nor its seed matters. No rank's RNG state changes: the CPU generator's is put back
+    after, and no CUDA (or other device) generator is seeded or drawn from. One load
     (:func:`fsdptk.load_from_full_model_state_dict` with ``broadcast_from_rank0=True``, restricted
     to the adapter keys) then gives each rank the bytes of its shards. Each adapter tensor is
     sharded like the other parameters of its FSDP unit (``Shard(0)`` over the unit's mesh,
