@@ -240,6 +240,10 @@ class _Holder(nn.Module):
         super().__init__()
         self.m = module
         self.tp_plan = {"m": string}
+        # what transformers >= 5.25's apply_tensor_parallelism reads off the model (the styles
+        # tested here use neither: no head-replicating sub-mesh, no config field)
+        self.config = transformers.PretrainedConfig()
+        self._mesh_manager = None
 
 
 def _norm(dim: int) -> nn.Module:
@@ -431,12 +435,63 @@ def test_widths_that_do_not_divide_by_the_tp_size(string_facts):
         assert facts["uneven"]["out"] <= 1e-6 and facts["uneven"]["grad"] <= 1e-6, facts["uneven"]
 
 
+def test_moe_plans_keep_the_experts_split_and_translate_mla_on_every_supported_release():
+    """transformers 5.25 dropped the fused experts from its TP plans (EP only) and gave DeepSeek-V3
+    head-split attention with ``mla_kv_a_proj``: the translated plan still splits the experts over
+    TP (as 5.23 declared), and the MLA projection becomes MlaKvAProj; transposed experts (gpt-oss)
+    are never given the non-transposed split."""
+    from fsdptk._plans.tp_mla import MlaKvAProj
+    from fsdptk._plans.tp_styles import MoEExpertsTP
+
+    def meta(cls: str, **kw):
+        with torch.device("meta"):
+            config = getattr(transformers, cls)(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                num_key_value_heads=4, vocab_size=128, **kw)
+            return transformers.AutoModelForCausalLM.from_config(config)
+
+    qwen = hf_tp_plan(meta("Qwen3MoeConfig", num_experts=4, moe_intermediate_size=16, head_dim=16))
+    experts = {f: s for f, s in qwen.items() if f.endswith("mlp.experts")}
+    assert sorted(experts) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert all(isinstance(s, MoEExpertsTP) and s.params == {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+               for s in experts.values())
+    deepseek = meta("DeepseekV3Config", n_routed_experts=4, moe_intermediate_size=16, intermediate_size=64,
+                    first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                    qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1)
+    plan = hf_tp_plan(deepseek)
+    assert isinstance(plan["model.layers.1.mlp.experts"], MoEExpertsTP)
+    declares_mla = "mla_kv_a_proj" in dict(deepseek.tp_plan).values()
+    assert declares_mla == (tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 25))
+    mla = [f for f, s in plan.items() if isinstance(s, MlaKvAProj)]
+    assert mla == ([f"model.layers.{i}.self_attn.kv_a_proj_with_mqa" for i in range(2)] if declares_mla else [])
+    assert all(plan[f].rope_dim == 8 for f in mla)
+    gpt_oss = meta("GptOssConfig", num_local_experts=4, intermediate_size=32, head_dim=16)
+    try:
+        gplan = hf_tp_plan(gpt_oss)
+    except ValueError as e:  # transformers 5.23: gpt-oss declares no TP plan at all
+        assert "declares no tensor-parallel plan" in str(e)
+    else:
+        assert not any(isinstance(s, MoEExpertsTP) for s in gplan.values())
+
+
 def test_every_transformers_style_string_is_translated_or_refused():
     from transformers.distributed import expert_parallel, tensor_parallel  # noqa: F401 (registers)
     from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
     assert not set(TRANSLATED) & set(REFUSED) and not (set(TRANSLATED) | set(REFUSED)) & set(COMPOSITE)
-    assert set(TRANSLATED) | set(REFUSED) | set(COMPOSITE) == set(ALL_PARALLEL_STYLES)
+    known = set(TRANSLATED) | set(REFUSED) | set(COMPOSITE)
+    # every string of the installed release is known; the only extra ones are strings another
+    # supported release has and this one lacks
+    version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+    absent = ({s for s, since in _DROPPED_STYLES.items() if version >= since}
+              | {s for s, since in _ADDED_STYLES.items() if version < since})
+    assert set(ALL_PARALLEL_STYLES) <= known, sorted(set(ALL_PARALLEL_STYLES) - known)
+    assert known - set(ALL_PARALLEL_STYLES) == absent
+
+
+# style strings of the supported releases (5.23 to 5.25) that not every one of them has:
+# string -> the first release without it / with it
+_DROPPED_STYLES = {"moe_identity_expert": (5, 25)}
+_ADDED_STYLES = {"unit_colwise": (5, 25), "unit_rowwise": (5, 25)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,11 +18,15 @@ classes fsdptk adds are in :mod:`fsdptk._plans.tp_styles`):
 ``replicate`` needs nothing; ``moe_tp_experts`` (a Mixture-of-Experts layer's fused experts, with
 its parameters' ``packed_colwise`` / ``rowwise`` rules) is :class:`MoEExpertsTP`, and with LoRA on
 those experts (PEFT's ``ParamWrapper`` s, ``target_parameters``) the outermost wrapper gets
-:class:`~fsdptk._plans.tp_experts_lora.MoEExpertsLoraTP` (its factors split with the experts). Strings for
-expert parallelism and MLA (``packed_rowwise``, ``moe_identity_expert``, ``grouped_gemm``,
-``ep_dispatch_experts``, ``mla_kv_a_proj``, ``local_params``) and other rules naming a parameter
-rather than a module have no translation: :func:`fsdptk.hf.hf_tp_plan` raises a ValueError naming
-the string and the FQN.
+:class:`~fsdptk._plans.tp_experts_lora.MoEExpertsLoraTP` (its factors split with the experts).
+transformers 5.25 no longer names the fused experts in its TP plans (only expert parallelism
+shards them there); fsdptk keeps the split above for them on every supported release (see
+``_with_expert_rules``). ``mla_kv_a_proj`` (multi-head latent attention's KV down-projection) is
+:class:`~fsdptk._plans.tp_mla.MlaKvAProj`. Strings for expert parallelism and head-replicating
+splits (``packed_rowwise``, ``moe_identity_expert``, ``grouped_gemm``, ``ep_dispatch_experts``,
+``unit_colwise``, ``unit_rowwise``, ``local_params``) and other rules naming a parameter rather
+than a module have no translation: :func:`fsdptk.hf.hf_tp_plan` raises a ValueError naming the
+string and the FQN.
 
 Attention: transformers' attention modules reshape with ``-1`` heads, so an even split of the q/k/v
 projections needs no attribute change. With fewer KV heads than TP ranks (``tp % num_kv_heads ==
@@ -51,6 +55,7 @@ from torch.distributed.tensor.parallel import (
 
 from fsdptk._core.names import param_owners
 from fsdptk._plans.tp_experts_lora import MoEExpertsLoraTP, param_wrapper_chain
+from fsdptk._plans.tp_mla import MlaKvAProj
 from fsdptk._plans.tp_styles import (
     ColwiseKeepTied,
     GatherSequence,
@@ -90,6 +95,7 @@ TRANSLATED: dict[str, tuple[type[nn.Module] | None, Callable[[], ParallelStyle] 
 # strings translated with the plan's rules for the module's parameters (not from the table above)
 COMPOSITE: dict[str, str] = {
     "moe_tp_experts": "MoEExpertsTP: fused experts, their parameters' packed_colwise / colwise / rowwise rules",
+    "mla_kv_a_proj": "MlaKvAProj: the rotary slice's gradient summed over TP (the config's qk_rope_head_dim)",
 }
 
 # strings transformers knows that have no DTensor module-style translation here, and why
@@ -99,11 +105,17 @@ REFUSED: dict[str, str] = {
     "moe_identity_expert": "mixture-of-experts layers: expert parallel is not built",
     "grouped_gemm": "expert-parallel weights: expert parallel is not built",
     "ep_dispatch_experts": "expert-parallel token dispatch: expert parallel is not built",
-    "mla_kv_a_proj": "DeepSeek MLA projections are not translated",
+    "unit_colwise": "head-aligned splits over a head-replicating sub-mesh are not translated",
+    "unit_rowwise": "head-aligned splits over a head-replicating sub-mesh are not translated",
     "local_params": "parameter-level sharding (attention sinks) is not translated",
 }
 
 _KV_LEAVES = ("k_proj", "v_proj")
+
+# The fused experts' TP rules fsdptk keeps where the model's plan no longer names them (see
+# ``_with_expert_rules``): a parameter's name -> the string transformers <= 5.24 declared for it.
+_EXPERT_PARAMS = {"gate_up_proj": "packed_colwise", "gate_proj": "colwise", "up_proj": "colwise",
+                  "down_proj": "rowwise"}
 
 
 def _generic(name: str) -> str:
@@ -211,12 +223,59 @@ def _tie(model: nn.Module, strings: Mapping[str, str],
                     cast(_KeepTied, styles[f]).tie(n, other, o)
 
 
-def _heads(model: nn.Module, attn: nn.Module) -> tuple[int, int] | None:
-    cfg = getattr(attn, "config", None)
+def _config(model: nn.Module, module: nn.Module) -> Any:
+    """The config a module reads: its own, else the model's text config."""
+    cfg = getattr(module, "config", None)
     if cfg is None:
         cfg = getattr(model, "config", None)
         if cfg is not None and hasattr(cfg, "get_text_config"):
             cfg = cfg.get_text_config()
+    return cfg
+
+
+def _rope_dim(model: nn.Module, fqn: str, modules: Mapping[str, nn.Module]) -> int:
+    """``qk_rope_head_dim`` for the ``mla_kv_a_proj`` module ``fqn`` (its attention's config)."""
+    parent = modules.get(_parent(fqn), modules[fqn])
+    rope = getattr(_config(model, parent), "qk_rope_head_dim", None)
+    if isinstance(rope, bool) or not isinstance(rope, int) or rope <= 0:
+        raise ValueError(f"tp_plan style 'mla_kv_a_proj' of module '{fqn}' needs the config's "
+                         f"qk_rope_head_dim (a positive int), got {rope!r}")
+    return rope
+
+
+def _with_expert_rules(model: nn.Module, modules: Mapping[str, nn.Module], declared: dict[str, str]
+                       ) -> dict[str, str]:
+    """``declared`` with fsdptk's TP rules for fused experts that the model's plan leaves out.
+
+    transformers 5.25 took the fused experts out of the TP plans (``base_model_tp_plan`` no longer
+    names ``mlp.experts``: they are sharded by expert parallelism only, ``base_model_ep_plan``'s
+    ``ep_dispatch_experts`` / ``grouped_gemm``). Under FSDP x TP that would leave every TP rank a
+    whole copy of the experts, the bulk of a MoE model. fsdptk keeps the split transformers 5.23
+    declared, the same on every supported release: an experts module the EP plan dispatches to and
+    the TP plan does not mention becomes ``moe_tp_experts`` with ``packed_colwise`` for
+    ``gate_up_proj`` (gate rows then up rows), ``colwise`` for ``gate_proj`` / ``up_proj`` and
+    ``rowwise`` for ``down_proj``. Experts stored transposed (``is_transposed``: gpt-oss) are left
+    as the model's plan leaves them; a parameter with no rule here (a bias) is refused by name by
+    :class:`MoEExpertsTP`.
+    """
+    ep = getattr(model, "ep_plan", None) or getattr(model, "_ep_plan", None) or {}
+    out = dict(declared)
+    for rule, string in ep.items():
+        if string != "ep_dispatch_experts" or any(k == rule or k.startswith(rule + ".") for k in declared):
+            continue
+        found = [m for f, m in modules.items() if f == rule or _generic(f) == rule]
+        if not found or any(getattr(m, "is_transposed", False) for m in found):
+            continue
+        out[rule] = "moe_tp_experts"
+        for prule, pstring in ep.items():
+            pname = prule[len(rule) + 1:] if prule.startswith(rule + ".") else ""
+            if pstring == "grouped_gemm" and pname in _EXPERT_PARAMS:
+                out[prule] = _EXPERT_PARAMS[pname]
+    return out
+
+
+def _heads(model: nn.Module, attn: nn.Module) -> tuple[int, int] | None:
+    cfg = _config(model, attn)
     nq = getattr(cfg, "num_attention_heads", None)
     if not isinstance(nq, int):
         return None
@@ -302,15 +361,23 @@ def _translate_tree(model: nn.Module, modules: Mapping[str, nn.Module], sequence
                     ) -> tuple[dict[str, str], dict[str, ParallelStyle | None]]:
     """(fqn -> style string, fqn -> style) over ``modules`` (the model's tree, fqn -> module; for
     a PEFT model its base model's tree, base layers standing where their tuners are)."""
-    declared = _declared_plan(model)
+    declared = _with_expert_rules(model, modules, _declared_plan(model))
     strings = _match(modules, declared)
-    styles: dict[str, ParallelStyle | None] = {
-        f: _experts(f, modules[f], declared) if s == "moe_tp_experts" else _translate(s, f, modules[f])
-        for f, s in strings.items()}
+    styles: dict[str, ParallelStyle | None] = {}
+    for f, s in strings.items():
+        if s == "moe_tp_experts":
+            styles[f] = _experts(f, modules[f], declared)
+        elif s == "mla_kv_a_proj":
+            styles[f] = MlaKvAProj(_rope_dim(model, f, modules))
+        else:
+            styles[f] = _translate(s, f, modules[f])
 
     attn_heads: dict[str, tuple[int, int]] = {}
     for f, s in strings.items():
         parent = _parent(f)
+        if s == "mla_kv_a_proj" and parent in modules and (heads := _heads(model, modules[parent])):
+            attn_heads[parent] = heads  # MLA: the q / kv_b projections split the heads (checked)
+            continue
         if s == "colwise" and f.rpartition(".")[2] in _KV_LEAVES and parent in modules:
             heads = _heads(model, modules[parent])
             if heads is None:

@@ -93,7 +93,11 @@ def adapter_file_names(model: nn.Module, adapter_name: str, *,
     require_adapter(model, adapter_name)
     from peft.utils import get_peft_model_state_dict
 
-    sd = model.state_dict(keep_vars=True)
+    # PEFT >= 0.22 gathers DTensors inside get_peft_model_state_dict (a collective on every
+    # sharded tensor, and a copy that fails on meta): it is shown stand-ins of the same shapes and
+    # dtypes (one per tensor, a tied tensor's keys sharing theirs), so only names are learned here
+    stand_ins: dict[int, torch.Tensor] = {}
+    sd = {fqn: stand_ins.setdefault(id(t), _stand_in(t)) for fqn, t in model.state_dict(keep_vars=True).items()}
     fqn_of: dict[int, str] = {}
     for fqn, t in sd.items():
         fqn_of.setdefault(id(t), fqn)
@@ -109,6 +113,13 @@ def adapter_file_names(model: nn.Module, adapter_name: str, *,
                 "tensors (LoRA, DoRA, IA3, ...)")
         names[key] = found
     return names
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or for a DTensor a plain meta tensor of its global shape and dtype."""
+    from torch.distributed.tensor import DTensor
+
+    return torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, DTensor) else t
 
 
 def _adapter_ids(model: nn.Module, configs: Mapping[str, Any]) -> tuple[set[int], set[str]]:
