@@ -95,6 +95,12 @@ def _write_checkpoints(work: Path) -> str:
     return str(work / "host{host}" / "ckpt")
 
 
+# A launch that outlives this is hung, not slow: on an idle 2-core machine each launch takes under
+# a minute (41 s for the module), but beside another multi-process job it can take several times
+# that, so the limit is generous (pytest-timeout's 600 s per test stays the outer bound).
+_LAUNCH_TIMEOUT_S = float(os.environ.get("FSDPTK_HOSTS_TIMEOUT", "540"))
+
+
 def _spec(work: Path, **kw) -> Path:
     out = work / "out"
     out.mkdir(parents=True, exist_ok=True)
@@ -111,7 +117,7 @@ def scenario_steps(hosts, tmp_path_factory):
     """{(mesh, scenario): {"crossed": bytes, "seconds": max over ranks, "checks": {...}}}."""
     work = tmp_path_factory.mktemp("hosts")
     spec = _spec(work, ckpt=_write_checkpoints(work))
-    runs = hosts.torchrun([str(WORKER), str(spec)], nproc_per_node=PER_HOST, env=_env(), timeout=150)
+    runs = hosts.torchrun([str(WORKER), str(spec)], nproc_per_node=PER_HOST, env=_env(), timeout=_LAUNCH_TIMEOUT_S)
     for r in runs:
         assert r.returncode == 0, f"host {r.host} exited {r.returncode}:\n{r.stderr[-4000:]}"
     steps: dict = defaultdict(lambda: {"crossed": 0, "busiest_rx": 0, "seconds": 0.0, "checks": set(), "ranks": 0})
@@ -357,7 +363,7 @@ def peer_steps(hosts, tmp_path_factory):
                  methods=["accelerate", "transformers", "fsdptk-hf"], hf_ckpt=hf["hf_ckpt"], hf_ref=hf["hf_ref"],
                  scenarios=["noop", "load", "shard_on_read", "gather", "save"])
     runs = hosts.torchrun([str(WORKER), str(spec)], nproc_per_node=PER_HOST,
-                          env={**_env(), "HF_HUB_OFFLINE": "1"}, timeout=150)
+                          env={**_env(), "HF_HUB_OFFLINE": "1"}, timeout=_LAUNCH_TIMEOUT_S)
     for r in runs:
         assert r.returncode == 0, f"host {r.host} exited {r.returncode}:\n{r.stderr[-4000:]}"
     steps: dict = defaultdict(lambda: {"crossed": 0, "checks": set(), "ranks": 0})
