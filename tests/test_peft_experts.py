@@ -128,7 +128,7 @@ def assert_peft_saves_the_same(out, src: str, ours: dict, lora, tmp_dir, marker:
     configs = [json.loads((d / "adapter_config.json").read_text()) for d in (out, tmp_dir)]
     for cfg in configs:  # sets, written in hash order by PEFT
         cfg["target_modules"] = sorted(cfg["target_modules"])
-        cfg["target_parameters"] = sorted(cfg["target_parameters"])
+        cfg["target_parameters"] = sorted(cfg["target_parameters"] or [])  # None without LoRA on parameters
     if base:
         assert configs[0].pop("base_model_name_or_path") == configs[1].pop("base_model_name_or_path") == src
     assert configs[0] == configs[1]

@@ -18,6 +18,7 @@ from fsdptk.hf.build import _transformers, hf_ep_plan, hf_meta_model, hf_tp_plan
 from fsdptk.predicates import no_split_modules
 
 if TYPE_CHECKING:
+    from peft import PeftConfig
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from fsdptk.mesh import ParallelDims
@@ -35,6 +36,7 @@ class _DirectoryView(NamedTuple):
     arguments: Any  # _core.arguments.ArgumentsView of the call's arguments, agreed first
     error: Any  # error_payload(...) of this rank's argument or config failure, or None
     sees_config: bool  # this rank read config.json itself
+    adapter_config: Any  # rank 0's peft.PeftConfig read from the adapter directory, else None
 
 
 class _SentConfig(NamedTuple):
@@ -45,10 +47,13 @@ class _SentConfig(NamedTuple):
 
 
 def _check_from_pretrained_args(dims: Any, dtype: Any, mp_policy: Any, activation_checkpointing: Any,
-                                shard_on_read: Any, trust_remote_code: Any) -> None:
+                                shard_on_read: Any, trust_remote_code: Any, peft_config: Any = None,
+                                adapter: Any = None, seed: Any = 0) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     from fsdptk.mesh import ParallelDims
+
+    _check_adapter_args(peft_config, adapter, seed)
 
     for name, value, kind, what in (
             ("dims", dims, ParallelDims, "a ParallelDims or None"),
@@ -61,6 +66,58 @@ def _check_from_pretrained_args(dims: Any, dtype: Any, mp_policy: Any, activatio
                         ("trust_remote_code", trust_remote_code)):
         if not isinstance(value, bool):
             raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+
+
+def _check_adapter_args(peft_config: Any, adapter: Any, seed: Any) -> None:
+    """``peft_config`` (a ``peft.PeftConfig``), ``adapter`` (a directory path) and ``seed`` (an
+    int): at most one of the first two."""
+    if peft_config is not None and adapter is not None:
+        raise ValueError(
+            "from_pretrained takes peft_config (fresh adapters, PEFT's init from seed) or adapter "
+            f"(an adapter directory, its config read from it), not both: got peft_config="
+            f"{type(peft_config).__name__} and adapter={adapter!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} ({seed!r})")
+    if adapter is not None and not isinstance(adapter, (str, os.PathLike)):
+        raise TypeError(f"adapter must be a directory path (str or os.PathLike), got "
+                        f"{type(adapter).__name__} ({adapter!r})")
+    if peft_config is not None:
+        from peft import PeftConfig
+
+        if not isinstance(peft_config, PeftConfig):
+            raise TypeError(f"peft_config must be a peft.PeftConfig (e.g. peft.LoraConfig(...)), got "
+                            f"{type(peft_config).__name__} ({peft_config!r})")
+
+
+def _peft_config_view(peft_config: Any) -> Any:
+    """``peft_config`` as the ranks compare it: its ``to_dict()`` with sets sorted (PEFT keeps
+    ``target_modules`` as a set, whose order differs between processes)."""
+    try:
+        fields = peft_config.to_dict()
+    except Exception:  # noqa: BLE001 - not a PeftConfig (refused with the other checks): as given
+        return peft_config
+    return {k: sorted(v, key=repr) if isinstance(v, (set, frozenset)) else v for k, v in sorted(fields.items())}
+
+
+def _read_adapter_config(adapter: Path) -> Any:
+    """The ``peft.PeftConfig`` of an adapter directory, by PEFT's own loader of
+    ``adapter_config.json``, made trainable (``inference_mode=False``, as PEFT's
+    ``from_pretrained(..., is_trainable=True)``).
+
+    Raises:
+        FileNotFoundError: ``adapter_config.json`` or ``adapter_model.safetensors`` is missing.
+    """
+    from peft import PeftConfig
+
+    from fsdptk.hf.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        if not (adapter / name).is_file():
+            raise FileNotFoundError(f"adapter directory {str(adapter)!r} has no {name}: adapter= takes a "
+                                    "directory PEFT's save_pretrained (or fsdptk.hf.save_adapter) wrote")
+    config = PeftConfig.from_pretrained(str(adapter))
+    config.inference_mode = False
+    return config
 
 
 def _dims_for_world(dims: ParallelDims | None, world_size: int,
@@ -83,10 +140,12 @@ def _dims_for_world(dims: ParallelDims | None, world_size: int,
 
 
 def _arguments(dims: Any, dtype: Any, mp_policy: Any, activation_checkpointing: Any, device: Any,
-               shard_on_read: Any, trust_remote_code: Any, world_size: int) -> Any:
+               shard_on_read: Any, trust_remote_code: Any, world_size: int, peft_config: Any = None,
+               adapter: Any = None, seed: Any = 0) -> Any:
     """This rank's view of the arguments that change what the ranks exchange: ``dims`` by its
     degrees (``None`` as the default it stands for), the device by its type (each rank has its
-    own index), the rest as given."""
+    own index), ``peft_config`` by its fields, ``adapter`` by whether one is given (each host may
+    name its directory its own way; rank 0's config is the one used), the rest as given."""
     from fsdptk._core.arguments import arguments_view
     from fsdptk.mesh import ParallelDims
 
@@ -98,25 +157,30 @@ def _arguments(dims: Any, dtype: Any, mp_policy: Any, activation_checkpointing: 
         pass
     return arguments_view("from_pretrained", dims=dims, dtype=dtype, mp_policy=mp_policy,
                           activation_checkpointing=activation_checkpointing, device=device,
-                          shard_on_read=shard_on_read, trust_remote_code=trust_remote_code)
+                          shard_on_read=shard_on_read, trust_remote_code=trust_remote_code,
+                          peft_config=_peft_config_view(peft_config),
+                          adapter=None if adapter is None else "a directory", seed=seed)
 
 
 def _meta_model_on_every_rank(directory: Path, dims: ParallelDims | None, dtype: torch.dtype | None,
                               mp_policy: MixedPrecisionPolicy | None, check_args: Any,
-                              trust_remote_code: bool, arguments: Any) -> tuple[nn.Module, ParallelDims]:
-    """The model on ``meta`` and the checked dims on every rank, or one error on every rank.
+                              trust_remote_code: bool, arguments: Any, adapter: PathLike | None = None,
+                              ) -> tuple[nn.Module, ParallelDims, Any]:
+    """The model on ``meta``, the checked dims and the adapter directory's PEFT config (``None``
+    without ``adapter``) on every rank, or one error on every rank.
 
     ``check_args()`` validates the arguments first. Rank 0 reads the directory's config (so it must
     see the directory); so does every other rank that sees ``config.json``. Their outcomes and
     every rank's ``arguments`` (:func:`_arguments`: ranks that differ raise one ValueError naming
     them, before any mesh is built) are agreed in one exchange; when some rank does not see the
-    directory (files on rank 0's host only), rank 0's config is sent to it.
+    directory (files on rank 0's host only), rank 0's config is sent to it. Rank 0 reads
+    ``adapter``'s config (:func:`_read_adapter_config`); every rank gets it in the same exchange.
     """
     from fsdptk._core.arguments import check_arguments
     from fsdptk._core.dist import all_gather_object, error_payload, raise_lowest, world
 
     world_size, rank = world()
-    model, error = None, None
+    model, error, adapter_config = None, None, None
     try:
         check_args()
         dims = _dims_for_world(dims, world_size, mp_policy)
@@ -127,10 +191,12 @@ def _meta_model_on_every_rank(directory: Path, dims: ParallelDims | None, dtype:
             model = hf_meta_model(directory, dtype=dtype, trust_remote_code=trust_remote_code)
             _read_generation_config(model, directory)
             no_split_modules(model)  # a model without units fails here, before any mesh
+        if adapter is not None and rank == 0:
+            adapter_config = _read_adapter_config(Path(adapter))
     except Exception as e:  # noqa: BLE001 - agreed just below
         error = e
     views = all_gather_object(_DirectoryView(arguments=arguments, error=error_payload(error),
-                                             sees_config=model is not None))
+                                             sees_config=model is not None, adapter_config=adapter_config))
     check_arguments([v.arguments for v in views])
     raise_lowest([v.error for v in views], error)
     blind = [r for r, v in enumerate(views) if not v.sees_config]
@@ -147,7 +213,7 @@ def _meta_model_on_every_rank(directory: Path, dims: ParallelDims | None, dtype:
             model = hf_meta_model(sent.config, dtype=dtype)
             model.generation_config = sent.generation_config
     assert model is not None and dims is not None, "agreed above: every rank has a model and dims"
-    return model, dims
+    return model, dims, views[0].adapter_config
 
 
 def _read_generation_config(model: nn.Module, directory: Path) -> None:
@@ -170,6 +236,9 @@ def from_pretrained(
     device: torch.device | str | None = None,
     shard_on_read: bool | None = None,
     trust_remote_code: bool = False,
+    peft_config: PeftConfig | None = None,
+    adapter: PathLike | None = None,
+    seed: int = 0,
 ) -> nn.Module:
     """Load a Hugging Face checkpoint directory straight into an FSDP2 (and TP) model.
 
@@ -179,6 +248,8 @@ def from_pretrained(
         dims = dims or ParallelDims()                          # FSDP over the whole world
         model = hf_meta_model(path, dtype=dtype)               # config.json -> model on meta
         mesh = dims.build_mesh(device.type)
+        if peft_config or adapter:                             # PEFT before TP / EP / FSDP
+            model = get_peft_model(model, peft_config or PeftConfig.from_pretrained(adapter))
         experts = hf_ep_plan(model) if dims.ep > 1 else []     # the model's own EP plan
         if dims.tp > 1:                                        # TP first: FSDP shards TP's DTensors
             apply_tp(model, dims.tp_mesh, {f: s for f, s in hf_tp_plan(model).items()
@@ -191,15 +262,37 @@ def from_pretrained(
                     dp_mesh=dims.fsdp_mesh, mp_policy=mp_policy,   # HSDP when dp_replicate > 1
                     expert_dp_mesh=dims.expert_fsdp_mesh if dims.ep > 1 else None)
         load_safetensors(model, path, device=device, shard_on_read=shard_on_read, strict=True)
+        if adapter:                                            # the adapter directory's weights
+            load_adapter(model, adapter, shard_on_read=shard_on_read)
+        elif peft_config:                                      # PEFT's own init from seed
+            init_adapters(model, seed=seed, device=device)
         model.eval()                                           # as transformers returns it
 
     ``load_safetensors`` also recomputes the non-persistent buffers (rotary tables) that the meta
     build left on ``meta``. Collective: call it on every rank with the same arguments.
 
     Arguments are agreed first: ranks that pass different ``dims`` (any degree), ``dtype``,
-    ``mp_policy``, ``activation_checkpointing``, device type, ``shard_on_read`` or
-    ``trust_remote_code`` raise, on every rank, one ValueError naming each and every rank's value,
-    before any mesh is built or any weight is read.
+    ``mp_policy``, ``activation_checkpointing``, device type, ``shard_on_read``,
+    ``trust_remote_code``, ``peft_config`` (its fields), ``seed``, or an ``adapter`` on some ranks
+    only raise, on every rank, one ValueError naming each and every rank's value, before any mesh is
+    built or any weight is read.
+
+    PEFT adapters (LoRA): with ``peft_config`` the ``meta``-built model is wrapped with PEFT's
+    ``get_peft_model`` first (the adapters made on ``meta``: no memory, no random draw), so tensor,
+    expert and data parallelism shard the adapters with their layers, LoRA on parameters
+    (``target_parameters``, e.g. on a MoE model's fused experts) included, which PEFT cannot attach
+    to a model already sharded. After the base load the adapters get PEFT's own initialisation
+    after ``torch.manual_seed(seed)`` (:func:`fsdptk.hf.init_adapters`): the values
+    ``get_peft_model`` gives in one process after that seed, on every rank, whatever each rank's
+    own seed; the caller's RNG state is left as it was. ``seed`` must be the same on every rank
+    (agreed with the arguments above). With ``adapter`` instead, the config is read from the
+    directory (PEFT's own ``PeftConfig.from_pretrained``, on rank 0; made trainable, as PEFT's
+    ``from_pretrained(..., is_trainable=True)``) and its weights are loaded
+    (:func:`fsdptk.hf.load_adapter`, ``strict=True``). Refused on every rank before any weight is
+    read, as the written-out composition refuses them: both ``peft_config`` and ``adapter``, fresh
+    adapters PEFT initialises from the base weights (DoRA, PiSSA, ...: start those from an adapter
+    directory), LoRA on the experts under EP x TP. The result is a ``peft.PeftModel``: save its
+    adapters with :func:`fsdptk.hf.save_adapter`.
 
     Failures are agreed: a directory without ``config.json`` (rank 0 must see it), dims whose
     product is not the world size, a TP size the attention heads do not divide, a model without a
@@ -215,7 +308,9 @@ def from_pretrained(
     (``gc.freeze()`` for the call, ``gc.unfreeze()`` after it, on errors too; paused instead where
     the caller froze objects itself): building the model creates hundreds of thousands of
     objects, none of them garbage, and the collector's passes over everything took about 1 s of a
-    4 GB load on 4 ranks; collections during the call examine only what it makes.
+    4 GB load on 4 ranks; collections during the call examine only what it makes. One full
+    collection runs first (where the collector is enabled), so garbage made before the call (a
+    model dropped just before a reload) is freed then, not held through the load and after it.
 
     Args:
         path: a checkpoint directory: ``config.json`` and ``model.safetensors`` (or shards and
@@ -238,16 +333,29 @@ def from_pretrained(
             rank can open the files, else rank 0 reads (see :func:`fsdptk.load_safetensors`).
         trust_remote_code: allow a model defined by code in the directory (every rank must then
             see the directory).
+        peft_config: a ``peft.PeftConfig`` (e.g. ``LoraConfig(r=8, target_modules=[...])``): fresh
+            adapters, PEFT's init from ``seed``.
+        adapter: a PEFT adapter directory (``adapter_config.json`` and
+            ``adapter_model.safetensors``, as ``save_pretrained`` or :func:`fsdptk.hf.save_adapter`
+            write it); rank 0 must see it.
+        seed: the seed PEFT's initialisation of fresh adapters is replayed from (the same on every
+            rank).
 
     Returns:
         nn.Module: the sharded model in eval mode (call ``model.train()`` to train), every
         parameter a DTensor over ``dims``' mesh, ``model.config`` and ``model.generation_config``
-        as the directory has them; :func:`fsdptk.save_safetensors` saves it back as a directory
+        as the directory has them (a ``peft.PeftModel`` with ``peft_config`` or ``adapter``, only
+        its adapters trainable); :func:`fsdptk.save_safetensors` saves it back as a directory
         this function (and transformers' ``from_pretrained``) loads.
 
     Raises:
-        FileNotFoundError: no directory or no ``config.json`` on rank 0, or a missing weight file.
-        ValueError: ranks that passed different arguments (above); dims that do not match the
+        FileNotFoundError: no directory or no ``config.json`` on rank 0, or a missing weight file;
+            an ``adapter`` without ``adapter_config.json`` or ``adapter_model.safetensors`` on rank 0.
+        NotImplementedError: fresh adapters PEFT initialises from the base weights (DoRA, PiSSA,
+            ...), or a composition fsdptk does not build (LoRA on the experts under EP x TP);
+            named, on every rank, before any weight is read.
+        ValueError: ``peft_config`` and ``adapter`` both; ranks that passed different arguments
+            (above); dims that do not match the
             world size, heads the TP size does not divide, a model without a TP plan (``tp > 1``),
             without an EP plan (``ep > 1``; also an ``ep`` that does not divide the number of
             experts) or without ``_no_split_modules``, an unknown ``model_type``; ``mp_policy``
@@ -268,10 +376,23 @@ def from_pretrained(
         ('LlamaForCausalLM', False)
         >>> model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape
         torch.Size([1, 3, 256])
+
+        Fresh LoRA adapters in the same call: PEFT's own init from ``seed``, whatever the caller's
+        RNG (on every rank alike under torchrun; LoRA on a MoE model's experts works the same, with
+        ``target_parameters``):
+
+        >>> from peft import LoraConfig, get_peft_model
+        >>> lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        >>> tuned = from_pretrained(ckpt, peft_config=lora, seed=7)
+        >>> _ = torch.manual_seed(7)
+        >>> judge = get_peft_model(AutoModelForCausalLM.from_pretrained(ckpt), lora)
+        >>> all(torch.equal(p, dict(judge.named_parameters())[n])
+        ...     for n, p in tuned.named_parameters() if p.requires_grad)
+        True
     """
     with _gc_quiet():
         return _from_pretrained(Path(path), dims, dtype, mp_policy, activation_checkpointing, device,
-                                shard_on_read, trust_remote_code)
+                                shard_on_read, trust_remote_code, _Adapters(peft_config, adapter, seed))
 
 
 @contextlib.contextmanager
@@ -289,13 +410,23 @@ def _gc_quiet() -> Iterator[None]:
     beside transformers: ``benchmarks/NOTES_hf.md``). ``gc.unfreeze()`` afterwards returns those
     objects to the oldest generation.
 
+    Garbage first: one full collection (``gc.collect()``) runs before the freeze. Frozen, garbage
+    would outlive the call and then sit in the oldest generation, which only the rare full
+    collections examine: a model the caller dropped just before a reload (its cycles, in any
+    generation) would be held through the load, beside the new one, and after it. The one
+    collection examines the heap once (about 0.1 s for 370,000 objects, torch and transformers
+    imported, on this project's 2-core machine), where the collections it replaces examined it
+    hundreds of times.
+
     Where the caller froze objects itself (``gc.get_freeze_count() > 0``) unfreezing would also
-    unfreeze theirs, so the collector is paused instead (``gc.disable()``); where it is disabled
-    already, nothing changes.
+    unfreeze theirs, so the collector is paused instead (``gc.disable()``, after the same full
+    collection, which leaves their frozen objects alone); where it is disabled already, nothing
+    changes (no collection either).
     """
     if not gc.isenabled():
         yield
         return
+    gc.collect()
     if gc.get_freeze_count():
         gc.disable()
         try:
@@ -310,31 +441,58 @@ def _gc_quiet() -> Iterator[None]:
         gc.unfreeze()
 
 
+class _Adapters(NamedTuple):
+    """:func:`from_pretrained`'s PEFT arguments, as the caller gave them."""
+
+    peft_config: Any  # peft.PeftConfig: fresh adapters, PEFT's init from seed
+    adapter: Any  # an adapter directory (str or os.PathLike)
+    seed: Any  # int
+
+
+def _wrap_with_peft(model: nn.Module, config: Any) -> nn.Module:
+    """``peft.get_peft_model(model, config)`` on the ``meta``-built model: the adapters made on
+    ``meta`` (no memory, no random draw), the caller's RNG state as it was."""
+    from peft import get_peft_model
+
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        return get_peft_model(model, config)
+
+
 def _from_pretrained(directory: Path, dims: ParallelDims | None, dtype: torch.dtype | None,
                      mp_policy: MixedPrecisionPolicy | None, activation_checkpointing: bool,
                      device: torch.device | str | None, shard_on_read: bool | None,
-                     trust_remote_code: bool) -> nn.Module:
+                     trust_remote_code: bool, adapters: _Adapters | None = None) -> nn.Module:
     """:func:`from_pretrained`'s composition (inside :func:`_gc_quiet`)."""
     from fsdptk._core.dist import agreed, has_process_group, world
     from fsdptk._files.common import infer_device
+    from fsdptk._plans.peft_fresh import fresh_adapter_plan
     from fsdptk.activation import apply_activation_checkpointing
     from fsdptk.checkpoint import load_safetensors
     from fsdptk.ep import apply_ep
+    from fsdptk.hf.adapters import init_adapters, load_adapter
     from fsdptk.sharding import shard_model
     from fsdptk.tp import apply_tp
 
-    model, dims = _meta_model_on_every_rank(
+    peft_config, adapter, seed = adapters or _Adapters(None, None, 0)
+    model, dims, adapter_config = _meta_model_on_every_rank(
         directory, dims, dtype, mp_policy,
         lambda: _check_from_pretrained_args(dims, dtype, mp_policy, activation_checkpointing,
-                                            shard_on_read, trust_remote_code),
+                                            shard_on_read, trust_remote_code, peft_config, adapter, seed),
         trust_remote_code,
         _arguments(dims, dtype, mp_policy, activation_checkpointing, device, shard_on_read,
-                   trust_remote_code, world()[0]))
+                   trust_remote_code, world()[0], peft_config, adapter, seed),
+        adapter)
+    peft_config = peft_config if adapter_config is None else adapter_config
     device = infer_device(model) if device is None else torch.device(device)
     units = no_split_modules(model)
     if has_process_group():
         dims.build_mesh(device.type)
-    with agreed():  # every check of TP, EP, AC and FSDP runs before any weight is read
+    with agreed():  # every check of PEFT, TP, EP, AC and FSDP runs before any weight is read
+        if peft_config is not None:  # PEFT first: TP, EP and FSDP then shard the adapters too
+            model = _wrap_with_peft(model, peft_config)
+            if adapter is None:  # DoRA, PiSSA, ... refused by name here, before anything is sharded
+                fresh_adapter_plan(model, ["default"])
+            units = no_split_modules(model)
         experts = hf_ep_plan(model) if dims.ep_enabled else []
         if experts:
             check_experts_divide(model, experts, dims.ep)
@@ -352,5 +510,9 @@ def _from_pretrained(directory: Path, dims: ParallelDims | None, dtype: torch.dt
                         mp_policy=mp_policy,
                         expert_dp_mesh=dims.expert_fsdp_mesh if experts else None)
     load_safetensors(model, directory, device=device, shard_on_read=shard_on_read, strict=True)
+    if peft_config is not None and adapter is not None:
+        load_adapter(model, adapter, shard_on_read=shard_on_read)
+    elif peft_config is not None:
+        init_adapters(model, seed=seed, device=device)
     model.eval()
     return model
