@@ -151,3 +151,88 @@ _IDS = ["fsdp2-llama", "fsdp4-llama", "hsdp-llama", "tp-llama", "ep-qwen3moe", "
 def test_muon_equals_torch_muon_bit_for_bit(world, checkpoint, ranks, dims_kw, family):
     results = world(ranks).run(_train, checkpoint(family), dims_kw, 3, {"lr": _LR})
     assert results[0] == [[], [], []]
+
+
+_VARIANTS = [{"lr": _LR, "nesterov": False}, {"lr": _LR, "adjust_lr_fn": "match_rms_adamw"},
+             {"lr": _LR, "weight_decay": 0.0, "momentum": 0.9}]
+
+
+@pytest.mark.parametrize("kwargs", _VARIANTS, ids=["no-nesterov", "match-rms-adamw", "no-weight-decay"])
+def test_muon_options_equal_torch_muon(world, checkpoint, kwargs):
+    results = world(2).run(_train, checkpoint("qwen3_moe"), {"dp_shard": 2, "ep": 2}, 2, kwargs)
+    assert results[0] == [[], []]
+
+
+# ---------------------------------------------------------------------------------------------
+# state: full <-> sharded by FQN, another world size, single-process torch.optim.Muon, DCP
+
+
+def _train_and_save(src: str, dims_kw: dict, dcp_dir: str) -> tuple[dict, dict]:
+    """Two Muon steps, then the full model and optimizer state on rank 0 and a DCP checkpoint."""
+    import torch.distributed as dist
+
+    from fsdptk import Muon, gather_cpu_state_dict, get_full_optimizer_state_dict
+    from fsdptk.checkpoint import save_dcp
+    from fsdptk.hf import from_pretrained
+
+    dims = ParallelDims(**dims_kw)
+    model = from_pretrained(src, dims=dims)
+    opt = Muon([p for _, p in _muon_params(model)], lr=_LR)
+    for step in range(2):
+        rows = _batch(dims, step)
+        model(input_ids=rows, labels=rows).loss.backward()
+        opt.step()
+        model.zero_grad()
+    rank0 = dist.get_rank() == 0
+    full_sd = gather_cpu_state_dict(model, rank0)
+    full_osd = get_full_optimizer_state_dict(model, opt, rank0)
+    save_dcp(model, dcp_dir, opt)
+    return full_sd, full_osd
+
+
+def _resume_and_step(src: str, dims_kw: dict, full_sd: dict, full_osd: dict, dcp_dir: str | None) -> list[str]:
+    """Resume (from the full state, or from DCP) and take one step; what differs from a single-process
+    torch.optim.Muon that loaded the full state dict (rank 0's report)."""
+    import torch.distributed as dist
+
+    from fsdptk import Muon, load_from_full_model_state_dict, load_from_full_optimizer_state_dict
+    from fsdptk.checkpoint import load_dcp
+    from fsdptk.hf import from_pretrained
+
+    dims = ParallelDims(**dims_kw)
+    model = from_pretrained(src, dims=dims)
+    if dcp_dir is None:  # the model's load assigns new parameters: the optimizer comes after it
+        load_from_full_model_state_dict(model, full_sd, "cpu", release_sd=False)
+    named = _muon_params(model)
+    opt = Muon([p for _, p in named], lr=_LR)
+    if dcp_dir is None:
+        load_from_full_optimizer_state_dict(model, opt, full_osd, "cpu")
+    else:
+        load_dcp(model, dcp_dir, opt)
+    bad = [f"{n} resumed momentum_buffer" for n, p in named
+           if not torch.equal(_full(opt.state[p]["momentum_buffer"]), full_osd["state"][n]["momentum_buffer"])]
+    rows = _batch(dims, 2)
+    model(input_ids=rows, labels=rows).loss.backward()
+    grads = {n: _full(p.grad) for n, p in named}
+    opt.step()
+    if dist.get_rank() != 0:
+        _ = [(_full(p.detach()), _full(opt.state[p]["momentum_buffer"])) for _, p in named]  # collectives
+        return []
+    # the full state dict in torch's own format (integer ids in group order) into torch.optim.Muon
+    fqns = full_osd["param_groups"][0]["params"]
+    ref = _Reference([(n, full_sd[n]) for n in fqns], {"lr": _LR})
+    qs = [q for n in fqns for q in ref.params[n]]
+    ref.opt.load_state_dict({"state": {i: full_osd["state"][n] for i, n in enumerate(fqns)},
+                             "param_groups": [{**full_osd["param_groups"][0], "params": list(range(len(qs)))}]})
+    ref.step(grads)
+    return bad + _mismatches(model, opt, ref, True)
+
+
+def test_state_resumes_at_another_world_size_and_in_torch_muon(world, checkpoint, tmp_path):
+    src = checkpoint("llama")
+    full_sd, full_osd = world(4).run(_train_and_save, src, {"dp_shard": 2, "tp": 2}, str(tmp_path / "dcp"))[0]
+    assert sorted(full_osd["state"]) == sorted(full_osd["param_groups"][0]["params"])
+    assert all(sorted(s) == ["momentum_buffer"] for s in full_osd["state"].values())
+    for dcp_dir in (None, str(tmp_path / "dcp")):
+        results = world(2).run(_resume_and_step, src, {"dp_shard": 2}, full_sd, full_osd, dcp_dir)
+        assert results[0] == [], dcp_dir
