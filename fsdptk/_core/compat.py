@@ -7,6 +7,7 @@ torchao is imported only by :mod:`fsdptk._core.nf4` (public as :mod:`fsdptk.nf4`
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,17 +55,57 @@ optim_to_scalar = _to_scalar
 
 
 def storage_users(t: torch.Tensor) -> int | None:
-    """How many tensors (and other holders) share ``t``'s storage, ``t`` included; ``None`` where
-    this torch does not say (``torch._C._storage_Use_Count``, private: present in torch 2.4-2.15).
-    A count of 1 means nothing but ``t`` can see its memory, so it may be written over."""
+    """How many holders share ``t``'s storage, ``t`` included; ``None`` where this torch does not
+    say (``torch._C._storage_Use_Count``, private: present in torch 2.4-2.15).
+
+    Counted: every tensor and view over the storage (torch's use count of it), and Python
+    references to the storage object itself (``t.untyped_storage()`` kept by someone: torch gives
+    one Python object per storage, which its use count sees once however many hold it, so the
+    references to that object are counted here, above what a fresh handle has). Not counted: raw
+    pointers (``data_ptr()``, ctypes, registered host memory), and whether the memory was shared
+    with another process (``t.untyped_storage().is_shared()`` says that). A count of 1 means
+    nothing but ``t`` holds its memory through torch.
+
+    Examples:
+        >>> import torch
+        >>> t = torch.empty(4)
+        >>> storage_users(t)
+        1
+        >>> kept = t.untyped_storage()  # a Python handle of the storage, kept
+        >>> storage_users(t)
+        2
+        >>> del kept
+        >>> storage_users(t)
+        1
+    """
     count = getattr(torch._C, "_storage_Use_Count", None)
     if count is None:
         return None
     try:
-        storage = t.untyped_storage()  # a Python handle of the storage: itself one user while it lives
-        return int(count(storage._cdata)) - 1
+        refs, uses = _storage_refs(t, count)
+        base = _fresh_handle_refs(count)
     except Exception:  # noqa: BLE001 - an unknown storage kind: say nothing, never reuse
         return None
+    return uses - 1 + max(refs - base, 0)  # less the handle made here
+
+
+def _storage_refs(t: torch.Tensor, count: Any) -> tuple[int, int]:
+    """``(Python references to t's storage object, torch's use count of the storage)``, both with
+    this function's own handle included (the same code path for every tensor, so the handle's own
+    references are the same constant: :func:`_fresh_handle_refs`)."""
+    storage = t.untyped_storage()
+    return sys.getrefcount(storage), int(count(storage._cdata))
+
+
+_FRESH_REFS: list[int] = []
+
+
+def _fresh_handle_refs(count: Any) -> int:
+    """The Python references :func:`_storage_refs` sees for a storage nobody else holds a handle
+    of (measured once: the interpreter's own counting differs between Python versions)."""
+    if not _FRESH_REFS:
+        _FRESH_REFS.append(_storage_refs(torch.empty(1), count)[0])
+    return _FRESH_REFS[0]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:

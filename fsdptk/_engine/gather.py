@@ -103,6 +103,7 @@ def collect(
     dest: Dest = None,
     arguments: ArgumentsView | None = None,
     pool: Pool | None = None,
+    reuse_yielded: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Turn local shards into full CPU tensors on each item's destination rank, one bucket at a time.
 
@@ -142,11 +143,21 @@ def collect(
             compared first: ranks that differ get one ValueError naming each argument and every
             rank's value.
         pool: the :class:`~fsdptk._engine.pool.Pool` to take memory from, kept by the caller
-            between calls so that a later call writes into warm memory; ``None``: one for this
-            call (none with ``retained``).
+            between calls so that a later call writes into warm memory (its flat buffers, and its
+            full tensors with ``reuse_yielded``); ``None``: one for this call, for the flat
+            buffers that cross the wire (none with ``retained``).
+        reuse_yielded: the full tensors may be views of blocks an earlier bucket (or call) yielded
+            and nothing holds any more: the consumer is the caller's own code, which drops each
+            tensor once used (a file writer), or the caller's consumer opted in to a stated
+            contract (``weight_source(keep_buffers=True)``). ``False`` (default): every yielded
+            tensor is fresh memory, the consumer's whatever it does with it (keeps its storage, a
+            raw pointer, shares it with another process); see :mod:`fsdptk._engine.pool`.
 
     Returns:
-        Iterator[list[tuple[str, torch.Tensor]]]: buckets; every rank must exhaust the generator.
+        Iterator[list[tuple[str, torch.Tensor]]]: buckets; every rank drives the generator to its
+        end, or closes it (``close()``, or dropping it after a ``break``): a rank that leaves early
+        still takes part in the next status agreement, where every other rank raises a
+        RuntimeError naming it.
 
     Raises:
         ValueError: on every rank, when items (or given destinations) differ between ranks, a
@@ -196,13 +207,14 @@ def collect(
     status = Status("gather")
     layouts = [v.layout for v in views if v.layout is not None]
     assert len(layouts) == len(listed), "every item is a tensor (agreed just above)"
-    yield from guarded(_collect_buckets(listed, layouts, holdings, dests, bucket_bytes, retained, status, pool),
-                       status)
+    yield from guarded(_collect_buckets(listed, layouts, holdings, dests, bucket_bytes, retained, status, pool,
+                                        reuse_yielded), status)
 
 
 def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], holdings: Holdings,
                      dests: list[int], bucket_bytes: int, retained: bool,
-                     status: Status, kept: Pool | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                     status: Status, kept: Pool | None = None, reuse_yielded: bool = False,
+                     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The data phase of :func:`collect`: per bucket, pack, agree, then move the bytes.
 
     A sender's small pieces for one destination travel packed in one flat buffer; a large dim-0
@@ -220,21 +232,24 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
     plan = plan_gather([tuple(t.shape) for _, t in items], [t.dtype for _, t in items], holdings, dests,
                        bucket_bytes=bucket_bytes, retained=retained, quantized=[lay.quantized for lay in layouts],
                        into_full=comm.type == "cpu")  # a receive can land in the (CPU) full tensors
-    # reused CPU memory for the full tensors and the flat buffers (not when the caller keeps every
-    # bucket: nothing would come back to it). A pool of this call only: within the peak the gather
-    # has without it (the bucket being filled, or its largest tensor, and the one the consumer
-    # still holds), so it saves time and adds no memory; a model whose tensors outgrow the bucket
-    # then drops its largest block for the layers and faults the largest tensors in afresh. A pool
-    # the caller keeps between calls (weight_source(keep_buffers=True)): about two buckets, two
-    # largest tensors when they outgrow the bucket (less one bucket for what is not the pool's:
-    # the flat send buffers, conversions), enough for the largest tensor and a layer's tensors, so
-    # that a pass after the first writes into warm memory only.
+    # reused CPU memory (not when the caller keeps every bucket: nothing would come back to it):
+    # the flat buffers that cross the wire, and the full tensors only where the consumer's memory
+    # may be reused (reuse_yielded: fsdptk's own file writer, or weight_source(keep_buffers=True));
+    # otherwise every yielded tensor is fresh memory, the consumer's (fsdptk._engine.pool). A pool
+    # of this call only: within the peak the gather has without it (the bucket being filled, or
+    # its largest tensor, and the one the consumer still holds), so it saves time and adds no
+    # memory; a model whose tensors outgrow the bucket then drops its largest block for the layers
+    # and faults the largest tensors in afresh. A pool the caller keeps between calls
+    # (weight_source(keep_buffers=True)): 2 x max(bucket, largest tensor) - bucket, enough for the
+    # largest tensor and a layer's tensors, so that a pass after the first writes into warm memory
+    # only; trimmed to that at the end of the call, blocks the consumer still holds included.
     sizes = [_nbytes(s, d) for i, (s, d) in enumerate(zip(plan.shapes, plan.dtypes)) if plan.dests[i] == rank]
     biggest = max([bucket_bytes, *sizes])
-    cap = 2 * biggest - bucket_bytes if kept is not None else biggest + bucket_bytes
+    cap = keep_cap(bucket_bytes, sizes) if kept is not None else biggest + bucket_bytes
     pool = None if retained else kept or Pool(cap=cap)
     if pool is not None:
-        pool.prepare(cap, sizes)
+        pool.prepare(cap, sizes if reuse_yielded else ())
+    fulls_from = pool if reuse_yielded else None
     flight = InFlight(status.waiter)  # the previous bucket's transfers
     held: tuple[list[int], dict[int, torch.Tensor], list[tuple[Transfer, torch.Tensor]]] | None = None
     try:
@@ -250,7 +265,7 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
             received: list[tuple[Transfer, torch.Tensor]] = []
             if status.error is None:
                 try:
-                    fulls = {i: _empty(pool, plan.shapes[i], plan.dtypes[i]) for i in mine}
+                    fulls = {i: _empty(fulls_from, plan.shapes[i], plan.dtypes[i]) for i in mine}
                     posts, received = _collect_messages(items, layouts, plan, bucket, fulls, comm, status, pool)
                 except Exception as exc:  # noqa: BLE001 - agreed just below
                     status.fail(exc)
@@ -276,6 +291,19 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
         flight.drain_quietly()
         if kept is not None and pool is not None:
             pool.trim()  # what the caller keeps until its next call: within the cap
+
+
+def keep_cap(bucket_bytes: int, sizes: Sequence[int]) -> int:
+    """The bytes a :class:`~fsdptk._engine.pool.Pool` kept between calls holds at the end of a call
+    (``weight_source(keep_buffers=True)``): ``2 * max(bucket_bytes, largest) - bucket_bytes``,
+    ``largest`` the largest of ``sizes`` (the full tensors this rank receives).
+
+    Examples:
+        >>> keep_cap(16, [4, 8]), keep_cap(16, [40])
+        (16, 64)
+    """
+    biggest = max([bucket_bytes, *sizes])
+    return 2 * biggest - bucket_bytes
 
 
 def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:

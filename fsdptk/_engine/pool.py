@@ -1,6 +1,6 @@
-"""Reused CPU memory for one gather (:func:`fsdptk._engine.collect`): the full tensors a
-destination yields and the flat buffers that cross the wire, taken from blocks that an earlier
-bucket of the same call used and nobody holds any more.
+"""Reused CPU memory for one gather (:func:`fsdptk._engine.collect`): the flat buffers that cross
+the wire and, where the consumer opted in, the full tensors a destination yields, taken from blocks
+that an earlier bucket (or, kept between calls, an earlier call) used and nobody holds any more.
 
 Why: a fresh CPU tensor of more than glibc's mmap threshold (at most 32 MiB, and every block of
 128 KiB or more where ``MALLOC_MMAP_THRESHOLD_`` says so) is fresh pages, and the first write to
@@ -8,17 +8,29 @@ each page is a fault: filling fresh memory costs about 2.5x filling warm memory 
 machine (a 256 MiB copy: 0.196 s fresh, 0.079 s reused). A weight source streams the whole model
 every step, so fresh full tensors would pay that on every byte of every pass.
 
-Safe by construction: a block is reused only while its storage has no user but the pool
-(:func:`fsdptk._core.compat.storage_users`), so a consumer that keeps a yielded tensor, or any view
-of it, keeps its block out of the pool; the tensors a consumer holds are never written over. A
-block is reused only for a request of exactly its size (a model's tensors repeat layer after layer,
-so exact sizes recur, and no request pins a larger block). Before a new block is made, free blocks
-are dropped (those of sizes no later request needs first, then the oldest) until every block, free
-or held, and the new one add up to at most ``cap``. A gather's own pool lives for one call (its
-memory is returned when the call's generator ends) and its cap is about the peak the gather has
-without it (the bucket being filled and the one the consumer holds), so it saves time and adds no
-memory. A pool the caller keeps between calls (``weight_source(keep_buffers=True)``) is given
-about two of the largest tensors, so that a pass after the first writes into warm memory only.
+The consumer contract (what may be reused):
+
+- Memory the engine never handed out (its flat send and receive buffers) is reused whenever nothing
+  holds it: the gather's own pool, every call.
+- Memory it handed out (a yielded full tensor) is the consumer's, whatever the consumer does with
+  it (keeps a view, its storage object, a raw pointer, shares it with another process), so by
+  default it is never taken from a pool. Reusing it is an opt-in of the caller
+  (``weight_source(keep_buffers=True)``, or fsdptk's own file writer, which drops each tensor once
+  written): such a block is reused once no tensor, view or Python storage object holds it
+  (:func:`fsdptk._core.compat.storage_users`); raw pointers are the consumer's to keep valid (it
+  holds the tensor while it uses one); and a block whose storage was shared with another process
+  (``share_memory_()``, or sent through a ``torch.multiprocessing`` queue, which does that) is never
+  reused: the pool forgets it, so it is freed when the last holder lets go.
+
+A block is reused only for a request of exactly its size (a model's tensors repeat layer after
+layer, so exact sizes recur, and no request pins a larger block). Before a new block is made, free
+blocks are dropped (those of sizes no later request needs first, then the oldest) until every
+block, free or held, and the new one add up to at most ``cap``. A gather's own pool lives for one
+call (its memory is returned when the call's generator ends) and its cap is about the peak the
+gather has without it, so it saves time and adds no memory. A pool the caller keeps between calls
+ends each call with :meth:`Pool.trim`: blocks, free or still held, are dropped (forgotten, when
+held: freed once their holder lets go) until they add up to at most ``cap``, so what it keeps
+between calls is within ``cap`` whenever the consumer drops its tensors.
 """
 
 from __future__ import annotations
@@ -40,7 +52,8 @@ class Pool:
         cap: the bytes the blocks, free and held, may add up to when a new one is made (free
             blocks are dropped to make room: first those of sizes no later request in ``expected``
             needs, then the oldest; held blocks stay, so a consumer that keeps everything goes
-            over it, as it would without the pool).
+            over it within a call, as it would without the pool), and at the end of a call
+            (:meth:`trim`: held blocks are forgotten too).
         expected: the byte sizes of the requests to come, as far as the caller knows them (one
             entry per request; the rest are unforeseen).
 
@@ -53,6 +66,14 @@ class Pool:
         True
         >>> kept = pool.take((16,), torch.float32)  # held by the caller: never handed out again
         >>> pool.take((16,), torch.float32).data_ptr() == kept.data_ptr()
+        False
+        >>> storage = pool.take((16,), torch.float32).untyped_storage()  # its storage object, kept
+        >>> pool.take((16,), torch.float32).data_ptr() == storage.data_ptr()
+        False
+        >>> shared = pool.take((4, 4), torch.float32).share_memory_()  # sent to another process
+        >>> ptr = shared.data_ptr()
+        >>> del shared
+        >>> pool.take((4, 4), torch.float32).data_ptr() == ptr  # forgotten: never written over
         False
     """
 
@@ -82,6 +103,7 @@ class Pool:
         self._expected[size] -= 1
         if size == 0 or not self._knows:  # nothing to reuse, or no way to know who holds a block
             return torch.empty(tuple(shape), dtype=dtype)
+        self._forget_shared(size)
         block = next((b for _, b in self._blocks.get(size, ()) if storage_users(b) == 1), None)
         if block is None:
             self._trim(size)
@@ -93,24 +115,39 @@ class Pool:
         return block.view(dtype).view(tuple(shape))
 
     def trim(self) -> None:
-        """Drop free blocks until the blocks add up to at most ``cap`` (the end of a call: what a
-        pool kept between calls holds until the next)."""
-        self._trim(0)
+        """The end of a call: what a pool kept between calls holds until the next. Blocks shared
+        with another process are forgotten; then blocks are dropped until they add up to at most
+        ``cap``, free or held (a held one is forgotten: it is freed when its holder lets go), those
+        no expected request needs first, then the oldest."""
+        self._forget_shared()
+        self._trim(0, held_too=True)
 
     def nbytes(self) -> int:
         """The bytes of every block, free or held."""
         return sum(size * len(bs) for size, bs in self._blocks.items())
 
-    def _trim(self, new: int) -> None:
-        """Drop free blocks while every block and ``new`` more bytes add up to over ``cap``: those no
-        expected request needs first, then the oldest."""
+    def _forget_shared(self, size: int | None = None) -> None:
+        """Forget every block (of ``size``, or all) whose storage was shared with another process:
+        never reused, freed when its last holder lets go."""
+        for s in [size] if size is not None else list(self._blocks):
+            bs = self._blocks.get(s)
+            if bs and any(b.untyped_storage().is_shared() for _, b in bs):
+                kept = [(m, b) for m, b in bs if not b.untyped_storage().is_shared()]
+                if kept:
+                    self._blocks[s] = kept
+                else:
+                    del self._blocks[s]
+
+    def _trim(self, new: int, held_too: bool = False) -> None:
+        """Drop free blocks (and held ones with ``held_too``) while every block and ``new`` more
+        bytes add up to over ``cap``: those no expected request needs first, then the oldest."""
         total = self.nbytes() + new
         if total <= self.cap:
             return
-        free = [(self._expected[size] > 0, made, size) for size, bs in self._blocks.items()
-                for made, b in bs if storage_users(b) == 1]
+        candidates = [(self._expected[size] > 0, made, size) for size, bs in self._blocks.items()
+                      for made, b in bs if held_too or storage_users(b) == 1]
         gone: set[int] = set()
-        for _, made, size in sorted(free):  # not expected first, then the oldest
+        for _, made, size in sorted(candidates):  # not expected first, then the oldest
             if total <= self.cap:
                 break
             gone.add(made)

@@ -212,7 +212,8 @@ def write_save(plan: SavePlan, stage_config: Callable[[], Any]) -> Path:
                     bar.total = _share(writer)
                 return out
         buckets = cast(Generator[list[tuple[str, torch.Tensor]], None, None],  # collect/distribute are generators (annotated Iterator in the engine)
-                       _engine.collect(items, bucket_bytes=plan.bucket_bytes, dest=dest))
+                       # the writer below drops each tensor once written: its memory is reused
+                       _engine.collect(items, bucket_bytes=plan.bucket_bytes, dest=dest, reuse_yielded=True))
         stream_to_writer(buckets, writer, plan.out_name, plan.dtypes, bar, plan.split, plan.written)
         run_agreed(lambda: writer.seal() if writer is not None else None)  # every writer's files durable, or no commit
         result = run_agreed(coordinator.commit if coordinator is not None else lambda: None)

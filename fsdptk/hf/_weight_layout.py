@@ -36,6 +36,8 @@ class SourceView(NamedTuple):
     plain: list[bool]  # per item, its local tensor is exactly that box, unquantized
     meshes: list[tuple[int, ...] | None]  # per item, the shape of its mesh when it spans the ranks in order
     host: str
+    records: str | None  # the record types it can import (RecordTypes.kind: vLLM's, with its version,
+    # or fsdptk's own, and why); None when it failed before finding out
 
 
 @dataclass(frozen=True)
@@ -102,8 +104,19 @@ def held(items: Items, world: int) -> tuple[list[Box | None], list[bool], list[t
 
 def raise_disagreement(views: list[SourceView]) -> None:
     """One ValueError naming every argument the ranks passed differently (with each rank's value),
-    or a model that differs between ranks."""
+    ranks that would make the source of different record types (what each can import of vLLM), or
+    a model that differs between ranks."""
     check_arguments([v.arguments for v in views])
+    kinds: dict[str | None, list[int]] = {}
+    for r, v in enumerate(views):
+        kinds.setdefault(v.records, []).append(r)
+    if len(kinds) > 1:
+        shown = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {kind}"
+                          for kind, ranks in kinds.items())
+        raise ValueError("weight_source: the ranks can import different record types for the source (vLLM's "
+                         "from vllm.distributed.weight_transfer.base where it imports, fsdptk's own otherwise), "
+                         f"and every rank must make the same; install the same vLLM (or none) on every rank: "
+                         f"{shown}")
     diff = [r for r, v in enumerate(views) if v.fingerprint != views[0].fingerprint]
     if diff:
         raise ValueError(f"weight_source: the model's tensors (names, shapes, dtypes) differ between rank 0 "

@@ -2,8 +2,8 @@
 
 - :class:`ParamMeta`, :class:`Shard`, :class:`Replicate`: fsdptk's own frozen records with the
   fields and validation of vLLM 0.33's (``ParamMeta(name, dtype, shape, *, owners, mesh_shape,
-  placements)``), used when vLLM is not importable; :func:`record_types` gives vLLM's own classes
-  when it is (imported there, lazily, and nowhere else in fsdptk).
+  placements)``), used where vLLM's are not importable; :func:`record_types` gives vLLM's own
+  classes where they are (imported there, lazily, and nowhere else in fsdptk), and says which.
 - :func:`rank_grid`: whether the pieces of one Hub tensor that the ranks already hold are a
   ``torch.chunk`` split over the ranks in rank order, and under which placements.
 - :func:`box_pieces`: a model tensor's local piece at its box cut into the Hub tensors' pieces,
@@ -22,7 +22,8 @@ import torch
 from fsdptk._engine.layouts import Box
 from fsdptk._engine.sources.convert import Concatenated, Leaf, Node, Stacked, Transposed
 
-__all__ = ["ParamMeta", "Shard", "Replicate", "RecordTypes", "record_types", "rank_grid", "box_pieces", "splittable"]
+__all__ = ["ParamMeta", "Shard", "Replicate", "RecordTypes", "VLLM_RECORDS", "record_types", "rank_grid", "box_pieces",
+           "splittable"]
 
 
 @dataclass(frozen=True)
@@ -113,30 +114,68 @@ class ParamMeta:
 
 
 class RecordTypes(NamedTuple):
-    """The classes a source's records are made of: vLLM's where vLLM is importable, else fsdptk's."""
+    """The classes a source's records are made of: vLLM's where vLLM's are importable, else fsdptk's."""
 
     base: type | None  # vLLM's WeightSource (the source's base class), or None
     meta: type
     shard: type
     replicate: type
+    kind: str  # which, and why (vLLM's version): agreed between the ranks by weight_source
+
+
+VLLM_RECORDS = "vllm.distributed.weight_transfer.base"  # vLLM 0.33's WeightSource, ParamMeta, Shard, Replicate
 
 
 def record_types() -> RecordTypes:
-    """vLLM's ``WeightSource``, ``ParamMeta``, ``Shard`` and ``Replicate`` when vLLM is importable,
-    else fsdptk's own (nothing is imported when ``importlib.util.find_spec("vllm")`` finds nothing;
-    this is the only place fsdptk imports vLLM).
+    """vLLM's ``WeightSource``, ``ParamMeta``, ``Shard`` and ``Replicate`` when vLLM's
+    ``vllm.distributed.weight_transfer.base`` (vLLM 0.33 and later) is importable, else fsdptk's own:
+    where vLLM is not installed (then nothing of vLLM is imported: ``importlib.util.find_spec("vllm")``
+    finds nothing), or is a release without that module. This is the only place fsdptk imports vLLM.
+    ``kind`` says which, with vLLM's version: :func:`fsdptk.hf.weight_source` agrees it between the
+    ranks (ranks that would make different records raise one error naming each rank's kind).
+
+    Raises:
+        ImportError: vLLM has the module but importing it fails (a broken install), naming vLLM's
+            version and the cause.
 
     Examples:
-        >>> record_types().meta.__name__
-        'ParamMeta'
+        >>> types = record_types()
+        >>> types.meta.__name__, types.kind.startswith(("fsdptk's own records (vLLM ", "vLLM "))
+        ('ParamMeta', True)
     """
     import importlib
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
-        return RecordTypes(None, ParamMeta, Shard, Replicate)
-    base = importlib.import_module("vllm.distributed.weight_transfer.base")  # only here, only when installed
-    return RecordTypes(base.WeightSource, base.ParamMeta, base.Shard, base.Replicate)
+        return RecordTypes(None, ParamMeta, Shard, Replicate, "fsdptk's own records (vLLM not installed)")
+    version = _vllm_version()
+    try:
+        base = importlib.import_module(VLLM_RECORDS)  # only here, only when installed
+    except ModuleNotFoundError as e:
+        parts = VLLM_RECORDS.split(".")
+        if e.name in {".".join(parts[:i]) for i in range(1, len(parts) + 1)}:  # an older vLLM
+            return RecordTypes(None, ParamMeta, Shard, Replicate,
+                               f"fsdptk's own records (vLLM {version} has no {VLLM_RECORDS})")
+        raise ImportError(f"vLLM {version} is installed but {VLLM_RECORDS} cannot be imported: "
+                          f"{type(e).__name__}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - named, with vLLM's version
+        raise ImportError(f"vLLM {version} is installed but {VLLM_RECORDS} cannot be imported: "
+                          f"{type(e).__name__}: {e}") from e
+    return RecordTypes(base.WeightSource, base.ParamMeta, base.Shard, base.Replicate,
+                       f"vLLM {version}'s records ({VLLM_RECORDS})")
+
+
+def _vllm_version() -> str:
+    """The installed vLLM's version, without importing it (its distribution's metadata, or an
+    already imported module's ``__version__``)."""
+    import importlib.metadata
+    import sys
+
+    try:
+        return importlib.metadata.version("vllm")
+    except Exception:  # noqa: BLE001 - no distribution metadata: a source tree on the path
+        version = getattr(sys.modules.get("vllm"), "__version__", None)
+        return str(version) if version is not None else "(version unknown)"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -98,7 +98,8 @@ class HubWeightSource:
     def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Each Hub tensor this rank owns, whole, in metadata order (nothing on the others).
 
-        Collective: every rank drives it to the end. ``.throw(exc)`` into it on one rank raises
+        Collective: every rank drives it to the end (see :func:`weight_source` for a rank that
+        leaves early). ``.throw(exc)`` into it on one rank raises
         ``exc`` on every rank at the next bucket boundary.
         """
         return _flatten(self.iter_buckets())
@@ -130,22 +131,29 @@ class HubWeightSource:
         gathered = {n for n, _, _ in plan.hub if n not in grids}
         keep = [i for i, k in enumerate(plan.keys) if gathered & set(plan.item_hub[k])]
         gen = cast(Generator[Bucket, None, None], self._stream(keep, names=gathered, failed=failed))
-        for bucket in gen:
-            for name, t in bucket:
-                while pending and pending[0][0] < plan.order[name]:
-                    _, piece_name, key, piece = pending.pop(0)
+        try:
+            for bucket in gen:
+                for name, t in bucket:
+                    while pending and pending[0][0] < plan.order[name]:
+                        _, piece_name, key, piece = pending.pop(0)
+                        try:
+                            yield piece_name, piece.to(plan.dtypes[key])
+                        except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the engine
+                            gen.throw(e)
                     try:
-                        yield piece_name, piece.to(plan.dtypes[key])
+                        yield name, t
                     except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the engine
                         gen.throw(e)
-                try:
-                    yield name, t
-                except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the engine
-                    gen.throw(e)
+        except GeneratorExit:  # the consumer left (close(), or a break or an error dropped the iterator)
+            gen.close()  # the engine's next agreement: every other rank raises, naming this rank
+            raise
         for _, name, key, piece in pending:  # after the last gathered tensor: agreed once more below
             if failed is None:
                 try:
                     yield name, piece.to(plan.dtypes[key])
+                except GeneratorExit:  # the consumer left: still the pass's last agreement, then out
+                    _leave(_left_early())
+                    raise
                 except Exception as e:  # noqa: BLE001 - the caller's .throw(e): raised on every rank
                     failed = e
         raise_if_any(failed)
@@ -197,26 +205,31 @@ class HubWeightSource:
             failed, items, dests = e, [], []
         buckets = cast(Generator[Bucket, None, None],
                        _engine.collect(items, bucket_bytes=self._bucket_bytes, dest=dests, failed=failed,
-                                       pool=self._pool))
+                                       pool=self._pool, reuse_yielded=self._pool is not None))
         hub = _ToHub(plan)
-        # no reference to a bucket is kept here once it is handed on, so the engine reuses its
-        # memory for a later bucket when the consumer has dropped it (fsdptk._engine.pool)
-        for bucket in buckets:
-            out: Bucket = []
-            try:
-                out = [(n, t) for n, t in hub.feed(bucket) if names is None or n in names]
-            except Exception as e:  # noqa: BLE001 - agreed by the engine
-                buckets.throw(e)
-            del bucket
-            parts = _regroup(out, self._bucket_bytes) if out else [[]]
-            del out
-            while parts:
-                part = parts.pop(0)
+        # no reference to a bucket is kept here once it is handed on, so that with keep_buffers the
+        # engine reuses its memory for a later bucket once the consumer has dropped it
+        # (fsdptk._engine.pool)
+        try:
+            for bucket in buckets:
+                out: Bucket = []
                 try:
-                    yield part
-                except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the engine
+                    out = [(n, t) for n, t in hub.feed(bucket) if names is None or n in names]
+                except Exception as e:  # noqa: BLE001 - agreed by the engine
                     buckets.throw(e)
-                del part
+                del bucket
+                parts = _regroup(out, self._bucket_bytes) if out else [[]]
+                del out
+                while parts:
+                    part = parts.pop(0)
+                    try:
+                        yield part
+                    except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the engine
+                        buckets.throw(e)
+                    del part
+        except GeneratorExit:  # the consumer left: the engine's next agreement names this rank
+            buckets.close()
+            raise
 
 
 class _ToHub:
@@ -269,16 +282,36 @@ def _regroup(out: Bucket, limit: int) -> list[Bucket]:
 def _flatten(buckets: Iterator[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
     """The buckets' pairs one by one, holding none of them once handed on (see ``_stream``)."""
     gen = cast(Generator[Bucket, None, None], buckets)
-    for bucket in gen:
-        pairs = bucket[::-1]
-        del bucket
-        while pairs:
-            pair = pairs.pop()
-            try:
-                yield pair
-            except Exception as e:  # noqa: BLE001 - agreed by the engine
-                gen.throw(e)
-            del pair
+    try:
+        for bucket in gen:
+            pairs = bucket[::-1]
+            del bucket
+            while pairs:
+                pair = pairs.pop()
+                try:
+                    yield pair
+                except Exception as e:  # noqa: BLE001 - agreed by the engine
+                    gen.throw(e)
+                del pair
+    except GeneratorExit:  # the consumer left: the engine's next agreement names this rank
+        gen.close()
+        raise
+
+
+def _left_early() -> RuntimeError:
+    """This rank's error when its consumer leaves a pass before the end (what the other ranks raise)."""
+    return RuntimeError(f"weight_source: rank {_world()[1]} stopped iterating before the end of the pass (its "
+                        "consumer raised, broke out of its loop or closed the iterator); that rank's own code "
+                        "has the cause")
+
+
+def _leave(error: BaseException) -> None:
+    """Take part in the pass's last agreement with ``error`` (a rank leaving early): every other
+    rank raises it, naming this rank; this rank goes on leaving."""
+    try:
+        raise_if_any(error)
+    except Exception:  # noqa: BLE001 - raised on the other ranks; this one is already leaving
+        pass
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,9 +363,19 @@ def weight_source(
     Every iterator is collective: every rank drives it to its end, each pass reads the current
     weights, and an owner may consume lazily (send on another process group, sleep) while the
     others wait at the next bucket's status agreement. A failure on any rank, or ``exc`` thrown in
-    with ``iterator.throw(exc)`` on one rank, is raised on every rank. When vLLM is importable the
-    source is an instance of vLLM's ``WeightSource`` and the records are vLLM's ``ParamMeta``;
-    otherwise fsdptk never imports vLLM.
+    with ``iterator.throw(exc)`` on one rank, is raised on every rank. A consumer that leaves a pass
+    early on one rank (its code raises, it breaks out of its loop, or it calls ``close()``: the
+    iterator is closed, at the latest when it is dropped) still takes part in the pass's next
+    agreement, so every other rank raises a RuntimeError naming that rank within a bucket, never at
+    a process-group timeout; the leaving rank goes on with its own error, or none. When vLLM's
+    ``vllm.distributed.weight_transfer.base`` (vLLM 0.33) is importable the source is an instance of
+    vLLM's ``WeightSource`` and the records are vLLM's ``ParamMeta``; otherwise fsdptk's own records
+    (and with no vLLM installed, fsdptk never imports vLLM). What each rank can import is agreed in
+    the first exchange: ranks that would make different records raise one error naming them.
+
+    Memory: by default every tensor handed to the consumer is fresh memory, the consumer's whatever
+    it does with it (keeps it, a view, its ``untyped_storage()``, a raw pointer, or shares it with
+    another process): it is never written over. ``keep_buffers=True`` opts in to reuse (see there).
 
     Args:
         model: the model (FSDP2-sharded, tensor- or expert-parallel, or plain), the same structure
@@ -371,17 +414,23 @@ def weight_source(
             32 are fixed).
         quantize_if: ``(Hub name, tensor) -> bool`` choosing the tensors to quantize instead of the
             default rule (the tensor is on ``meta``, of the Hub shape and dtype).
-        keep_buffers: keep the memory of a pass's full tensors between passes (on an owner: up to
-            about two buckets, two of its largest tensors where they outgrow the bucket), so that
-            the next pass writes into warm memory instead of fresh pages (a pass's tensors are
-            always taken from blocks reused within the pass; this keeps them for the next, and
-            lets the pass keep enough to reuse its largest tensor's block too). Every yielded tensor is still the consumer's
-            until it drops it: a block a consumer (or a view of it) still holds is never written
-            over, it is replaced. ``False`` (default): the memory is returned after each pass.
-            Per rank (not agreed: it changes no message).
+        keep_buffers: reuse the memory of the tensors handed to the consumer, within a pass and
+            from one pass to the next, so that every pass after the first writes into warm memory
+            instead of fresh pages. The contract: a yielded tensor's memory may be written over
+            once nothing holds it through torch: no tensor or view of it, and no Python object of
+            its storage (``t.untyped_storage()``); a raw pointer (``data_ptr()``, ctypes, memory
+            registered with a device) is the consumer's to keep valid: it holds the tensor (or
+            its storage object) as long as it uses the pointer. Memory shared with another process
+            (``share_memory_()``, or sent through a ``torch.multiprocessing`` queue) is never
+            reused. Between passes the source keeps at most ``2 * max(bucket_bytes, L) -
+            bucket_bytes`` bytes on a rank, ``L`` the largest full tensor the rank receives (what
+            the consumer still holds at the end of a pass is forgotten beyond that: freed when it
+            lets go). ``False`` (default): only the engine's own wire buffers are reused, within a
+            pass, and nothing is kept between passes. Per rank (not agreed: it changes no message).
 
     Returns:
-        HubWeightSource: the source (a subclass of vLLM's ``WeightSource`` when vLLM is importable).
+        HubWeightSource: the source (a subclass of vLLM's ``WeightSource`` when vLLM's records are
+        importable).
 
     Raises:
         TypeError: ``model`` is not a module, ``dtype`` is not a floating dtype, ``owners`` is not an
@@ -393,7 +442,11 @@ def weight_source(
             ``block_size`` not two positive ints, ``quantize_if`` choosing a tensor the format
             cannot take, nothing to quantize (``"mxfp4"`` of a model without gpt-oss experts), a
             tensor still on ``meta``, ranks that passed different arguments (each differing
-            argument named with every rank's value); on every rank, before any tensor moves.
+            argument named with every rank's value), ranks that can import different record types
+            (vLLM's on some, fsdptk's own or another vLLM version on others: each rank's named); on
+            every rank, before any tensor moves.
+        ImportError: vLLM has ``vllm.distributed.weight_transfer.base`` but importing it fails on
+            a rank (naming vLLM's version and the cause); on every rank.
         NotImplementedError: ``adapters="merged"`` on what it does not merge, naming the layer and
             why: a tuner other than LoRA, LoRA on a layer other than ``torch.nn.Linear`` and not a
             ``ParamWrapper``, DoRA, ``fan_in_fan_out``, LoRA biases, an adapter already merged
@@ -430,9 +483,11 @@ def weight_source(
     plain: list[bool] = []
     meshes: list[tuple[int, ...] | None] = []
     nbytes = 0
+    types: RecordTypes | None = None
     try:
         if not isinstance(keep_buffers, bool):
             raise TypeError(f"keep_buffers must be a bool, got {keep_buffers!r}")
+        types = record_types()  # what this rank can import of vLLM: agreed in the exchange below
         nbytes = check(model, conversion, dtype, owners, bucket_bytes, adapters, quantize, block_size, quantize_if,
                        world)
         plan, items = plan_items(model, conversion=conversion, dtype=dtype, adapters=adapters, quantize=quantize,
@@ -442,12 +497,12 @@ def weight_source(
         error = e
     fp = fingerprint([*((k, s) for k, s in zip(plan.keys, plan.shapes)), *plan.hub]) if plan is not None else None
     views = all_gather_object(SourceView(arguments=arguments, error=error_payload(error), fingerprint=fp,
-                                         boxes=boxes, plain=plain, meshes=meshes, host=host_key()))
+                                         boxes=boxes, plain=plain, meshes=meshes, host=host_key(),
+                                         records=types.kind if types is not None else None))
     raise_lowest([v.error for v in views], error)
     raise_disagreement(views)
-    assert plan is not None, "planned on every rank (agreed just above)"
+    assert plan is not None and types is not None, "planned on every rank (agreed just above)"
     layout = assign(plan, views, owners, rank)
-    types = record_types()
     if types.base is None:
         return HubWeightSource(model, plan, layout, nbytes, types, keep_buffers)
     # an instance of vLLM's WeightSource (its __init_subclass__ checks the cached metadata)
