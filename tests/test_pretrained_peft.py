@@ -6,7 +6,7 @@ Judge: PEFT's ``get_peft_model`` in one process after ``torch.manual_seed(s)`` o
 ``from_pretrained`` of the same base, and PEFT's ``save_pretrained``. Qwen3-MoE and Mixtral (LoRA
 on ``q_proj`` and on the fused experts through ``target_parameters``, ``init_lora_weights=False`` so
 B's blocks hold values too) at 2 and 4 ranks, under FSDP and under EP; Llama (LoRA on linear layers,
-``target_modules``) at 4 ranks HSDP 2 x 2:
+``target_modules``) at 4 ranks, HSDP 2 x 2 and FSDP x TP 2 x 2:
 
 - every rank's full adapters equal PEFT's init bit for bit, though every rank seeded its generator
   differently before the call, and each rank's RNG state is left as it was;
@@ -37,6 +37,7 @@ CASES = {
     "qwen3_moe-4-ep": ("qwen3_moe", 4, {"dp_shard": 4, "ep": 2}, False),
     "mixtral-4-fsdp": ("mixtral", 4, None, False),
     "llama-4-hsdp": ("llama", 4, {"dp_replicate": 2, "dp_shard": 2}, True),
+    "llama-4-tp": ("llama", 4, {"dp_shard": 2, "tp": 2}, False),  # hf_tp_plan's LoRA styles
 }
 
 
@@ -70,7 +71,7 @@ def _full(model) -> dict[str, torch.Tensor]:
 def _dims(dims):
     from fsdptk import ParallelDims
 
-    return None if dims is None else ParallelDims(**dims)
+    return ParallelDims(**(dims or {}))
 
 
 def _fresh(src: str, family: str, dims, out: str, reload: bool) -> dict:
@@ -80,15 +81,16 @@ def _fresh(src: str, family: str, dims, out: str, reload: bool) -> dict:
 
     from fsdptk.hf import from_pretrained, save_adapter
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    pd = _dims(dims)  # default: FSDP over every rank
     torch.manual_seed(1000 + rank)  # a rank whose seed differs makes no difference
     rng = torch.get_rng_state()
-    model = from_pretrained(src, dims=_dims(dims), peft_config=_config(family), seed=_SEED)
+    model = from_pretrained(src, dims=pd, peft_config=_config(family), seed=_SEED)
     out_rng = torch.equal(torch.get_rng_state(), rng)
     init = _full(model)
     batch = _batch()
     model.train()
-    step_on_rows(model, batch.chunk(world)[rank], batch)
+    step_on_rows(model, batch.chunk(pd.dp_degree)[pd.dp_rank], batch)  # a TP group shares its rows
     stepped = _full(model)
     save_adapter(model, out)
     result = {"kind": type(model).__name__, "rng_kept": out_rng, "init": init, "stepped": stepped,
