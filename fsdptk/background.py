@@ -330,7 +330,7 @@ def save_safetensors_async(
     conversion: ConversionArg = "auto",
     writers: int | Literal["host"] = 1,
     quantize: Literal["fp8", "fp8-ue8m0", "mxfp4"] | None = None,
-    block_size: tuple[int, int] = (128, 128),
+    block_size: tuple[int, int] | None = (128, 128),
     quantize_if: Callable[[str, torch.Tensor], bool] | None = None,
 ) -> PendingSave:
     """Start :func:`fsdptk.save_safetensors` in the background; return once the model is copied.

@@ -237,7 +237,7 @@ def save_safetensors(
     conversion: ConversionArg = "auto",
     writers: int | Literal["host"] = 1,
     quantize: Literal["fp8", "fp8-ue8m0", "mxfp4"] | None = None,
-    block_size: tuple[int, int] = (128, 128),
+    block_size: tuple[int, int] | None = (128, 128),
     quantize_if: Callable[[str, torch.Tensor], bool] | None = None,
 ) -> Path:
     """Save a (sharded) model as a Hugging Face safetensors checkpoint directory, streaming.
@@ -307,7 +307,8 @@ def save_safetensors(
             ``modules_to_not_convert``, ``scale_fmt: "ue8m0"``; for ``"mxfp4"``: ``quant_method``
             and ``modules_to_not_convert``). ``None`` (default): unquantized.
         block_size: FP8's block, ``(rows, columns)`` of the last two dims per scale (default
-            ``(128, 128)``, the releases'); ignored by ``"mxfp4"`` (groups of 32).
+            ``(128, 128)``, the releases'); ignored by ``"mxfp4"`` (groups of 32); ``None`` is
+            accepted unless ``quantize`` is ``"fp8"`` / ``"fp8-ue8m0"``.
         quantize_if: ``(name, tensor) -> bool`` choosing the tensors to quantize instead of the
             default rule: called on every rank, before any tensor moves, for each floating tensor
             of the checkpoint layout, with its checkpoint name (the Hub's, before ``rename``) and a

@@ -729,3 +729,155 @@ def test_tensors_are_quantized_on_their_writer_only(world, tmp_path):
     assert world(2).run(_count_quantized, str(dense), str(tmp_path / "w1"), 1) == [n, 0]
     split = world(2).run(_count_quantized, str(dense), str(tmp_path / "w2"), 2)
     assert sum(split) == n, split
+
+
+# ---------------------------------------------------------------------------------------------
+# a weight holding inf or NaN: refused on every rank, naming it, before anything is complete
+_INF_BLOCK = (32, 32)
+
+
+def _layers(rows: int = 200) -> _Layers:
+    """``_Layers`` with ``rows``-row projections (MXFP4 needs a multiple of 32)."""
+    torch.manual_seed(0)
+    model = _Layers()
+    for layer in model.layers:
+        if rows != 200:
+            layer["proj"], layer["norm"] = torch.nn.Linear(96, rows), torch.nn.LayerNorm(rows)
+    return model
+
+
+def _sharded_layers(rows: int = 200) -> _Layers:
+    """:func:`_layers`, each Linear an FSDP unit."""
+    from fsdptk import shard_model
+
+    model = _layers(rows)
+    shard_model(model, lambda name, module: isinstance(module, torch.nn.Linear), cpu_offload=False)
+    return model
+
+
+def _poison(model, name: str) -> int:
+    """inf at this rank's first local element of parameter ``name`` and NaN at its last one: returns
+    how many values of the full tensor are not finite (every rank's two, summed)."""
+    p = dict(model.named_parameters())[name]
+    local = p._local_tensor if hasattr(p, "_local_tensor") else p
+    with torch.no_grad():
+        flat = local.view(-1)
+        if flat.numel() >= 2:
+            flat[0], flat[-1] = float("inf"), float("nan")
+    counts = [0] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(counts, 2 if flat.numel() >= 2 else 0)
+    return sum(counts)
+
+
+def _quantized_where(fn) -> list[list[str]]:
+    """The Hub names each rank quantizes (FP8Blocks.split counted) while ``fn()`` runs."""
+    from fsdptk._engine.sources.quant import FP8Blocks
+
+    seen: list[str] = []
+    real = FP8Blocks.split
+
+    def split(self, full):
+        seen.append(self.weight.files()[0])
+        return real(self, full)
+
+    FP8Blocks.split = split
+    try:
+        fn()
+    finally:
+        FP8Blocks.split = real
+    out: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, seen)
+    return out
+
+
+def _save_with_inf(root: str) -> dict:
+    import os
+
+    from fsdptk import save_safetensors
+
+    model = _sharded_layers()
+    kw = dict(quantize="fp8", block_size=_INF_BLOCK, writers=2, max_shard_size="60KB")
+    where = _quantized_where(lambda: save_safetensors(model, root, **kw))  # a complete release first
+    before = {f.name: f.read_bytes() for f in sorted(Path(root).iterdir())}
+    name = where[1][0]  # a weight the non-zero writer quantizes
+    count = _poison(model, name)
+    error = raised(lambda: save_safetensors(model, root, **kw))
+    torch.distributed.barrier()  # each rank removes its own files before raising: all of them done
+    after = {f.name: f.read_bytes() for f in sorted(Path(root).iterdir())}
+    fresh = raised(lambda: save_safetensors(model, root + "-fresh", **kw))
+    torch.distributed.barrier()
+    left = sorted(os.listdir(root + "-fresh")) if os.path.isdir(root + "-fresh") else []
+    return {"where": where, "name": name, "count": count, "error": error, "fresh": fresh,
+            "unchanged": before == after, "left": left, "files": (sorted(before), sorted(after))}
+
+
+def test_a_weight_with_inf_or_nan_is_refused_on_every_rank_by_a_quantized_save(world, tmp_path):
+    """2 ranks, 2 writers, the poisoned weight quantized by the non-zero writer: every rank raises
+    an error naming the weight and the count of its values that are not finite; the directory
+    still holds the previous release byte for byte, and a new directory is left with nothing."""
+    results = world(2).run(_save_with_inf, str(tmp_path / "q"))
+    name, count = results[0]["name"], results[0]["count"]
+    assert name not in results[0]["where"][0], results[0]["where"]  # rank 1 alone quantizes it
+    assert count == 4
+    for rank, r in enumerate(results):
+        for kind, message in (r["error"], r["fresh"]):
+            assert kind == "ValueError", (rank, kind, message)
+            assert f"cannot quantize {name!r}" in message and f"{count} of its" in message, (rank, message)
+            assert "not finite" in message
+        assert r["unchanged"], (rank, r["files"])
+        assert r["left"] == [], (rank, r["left"])
+
+
+def _source_with_inf(kind: str) -> dict:
+    from fsdptk.hf import weight_source
+
+    model = _sharded_layers(64 if kind == "mxfp4" else 200)  # MXFP4: dim -2 in groups of 32
+    kw = dict(quantize=kind, block_size=_INF_BLOCK, owners="all")
+    if kind == "mxfp4":  # MXFP4 quantizes what quantize_if picks (the _Layers model has no gpt-oss experts)
+        kw["quantize_if"] = _the_projections
+    src = weight_source(model, **kw)
+    rank = torch.distributed.get_rank()
+    owned = [src.owned_names(r) for r in range(2)]
+    hub = next(n for n in owned[1] if ".proj.weight" in n)  # MXFP4: <w>_blocks / <w>_scales
+    name = hub.removesuffix("_blocks").removesuffix("_scales")
+    count = _poison(model, name)
+    return {"name": name, "count": count, "rank": rank,
+            "error": raised(lambda: list(weight_source(model, **kw).iter_full()))}
+
+
+def _the_projections(name: str, tensor: torch.Tensor) -> bool:
+    return name.endswith("proj.weight")
+
+
+@pytest.mark.parametrize("kind", ["fp8", "fp8-ue8m0", "mxfp4"])
+def test_a_weight_with_inf_or_nan_is_refused_on_every_rank_by_a_quantized_weight_source(world, kind):
+    """weight_source(quantize=...) over 2 ranks, the poisoned weight owned by rank 1: iter_full
+    raises on every rank, naming the weight and how many of its values are not finite."""
+    results = world(2).run(_source_with_inf, kind)
+    name, count = results[0]["name"], results[0]["count"]
+    assert count == 4
+    for r in results:
+        kind_, message = r["error"]
+        assert kind_ == "ValueError", (r["rank"], kind_, message)
+        assert f"cannot quantize {name!r}" in message and f"{count} of its" in message, (r["rank"], message)
+
+
+def test_block_size_none_is_accepted_where_nothing_is_quantized_to_fp8(tmp_path):
+    """block_size=None with quantize=None (weight_source and save_safetensors) and with "mxfp4"
+    (fixed groups); with FP8 it is still refused, naming the argument."""
+    from fsdptk import save_safetensors
+    from fsdptk.hf import weight_source
+
+    model = _layers(64)
+    plain = dict(weight_source(model).iter_full())
+    got = dict(weight_source(model, block_size=None).iter_full())
+    assert plain.keys() == got.keys() and all(torch.equal(plain[k], got[k]) for k in plain)
+    save_safetensors(model, tmp_path / "plain", block_size=None)
+    assert load_file(tmp_path / "plain" / "model.safetensors").keys() == plain.keys()
+    mx = weight_source(model, quantize="mxfp4", block_size=None, quantize_if=_the_projections)
+    assert any(k.endswith("_blocks") for k, _ in mx.iter_full())
+    for call in (lambda: weight_source(model, quantize="fp8", block_size=None),
+                 lambda: save_safetensors(model, tmp_path / "fp8", quantize="fp8", block_size=None)):
+        with pytest.raises(ValueError, match="block_size must be two positive ints"):
+            call()
+    assert not (tmp_path / "fp8").exists()

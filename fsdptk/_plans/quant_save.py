@@ -112,21 +112,27 @@ def quant_format(quantize: Any, block_size: Any, quantize_if: Any = None) -> Qua
 
     Raises:
         ValueError: ``quantize`` is not one of :data:`QUANTIZE_CHOICES` or ``None``; ``block_size``
-            is not two positive ints (each names the argument and its value).
+            is not two positive ints (``None`` is accepted where no FP8 block is sized: ``quantize``
+            ``None`` or ``"mxfp4"``); each names the argument and its value.
         TypeError: ``quantize_if`` is neither ``None`` nor callable.
 
     Example:
         >>> quant_format("fp8-ue8m0", (128, 64))
         QuantFormat(method='fp8', block=(128, 64), ue8m0=True)
+        >>> quant_format(None, None) is None, quant_format("mxfp4", None)
+        (True, QuantFormat(method='mxfp4', block=(128, 128), ue8m0=False))
         >>> quant_format("int8", (128, 128))
         Traceback (most recent call last):
         ValueError: quantize must be None, 'fp8', 'fp8-ue8m0' or 'mxfp4', got 'int8'
     """
     if quantize is not None and (not isinstance(quantize, str) or quantize not in QUANTIZE_CHOICES):
         raise ValueError(f"quantize must be None, 'fp8', 'fp8-ue8m0' or 'mxfp4', got {quantize!r}")
-    problem = block_size_problem(block_size)
-    if problem is not None:
-        raise ValueError(f"block_size must be two positive ints (block rows, block columns): {problem}")
+    fp8 = quantize in ("fp8", "fp8-ue8m0")
+    if block_size is not None or fp8:  # None: no FP8 block to size (unquantized, or MXFP4's fixed groups)
+        problem = block_size_problem(block_size)
+        if problem is not None:
+            raise ValueError(f"block_size must be two positive ints (block rows, block columns)"
+                             f"{'' if fp8 else ' or None'}: {problem}")
     if quantize_if is not None and not callable(quantize_if):
         raise TypeError(f"quantize_if must be a callable (name, tensor) -> bool or None, got {quantize_if!r}")
     if quantize is None:

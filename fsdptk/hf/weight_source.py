@@ -325,7 +325,7 @@ def weight_source(
     bucket_bytes: int | None = None,
     adapters: Literal["merged", "only"] | None = None,
     quantize: Literal["fp8", "fp8-ue8m0", "mxfp4"] | None = None,
-    block_size: tuple[int, int] = (128, 128),
+    block_size: tuple[int, int] | None = (128, 128),
     quantize_if: Callable[[str, torch.Tensor], bool] | None = None,
     keep_buffers: bool = False,
 ) -> HubWeightSource:
@@ -411,7 +411,7 @@ def weight_source(
             owner (never as ``iter_local`` pieces). Not with ``adapters``. ``None`` (default):
             unquantized.
         block_size: FP8's ``(rows, columns)`` per scale (default ``(128, 128)``; MXFP4's groups of
-            32 are fixed).
+            32 are fixed); ``None`` is accepted unless ``quantize`` is ``"fp8"`` / ``"fp8-ue8m0"``.
         quantize_if: ``(Hub name, tensor) -> bool`` choosing the tensors to quantize instead of the
             default rule (the tensor is on ``meta``, of the Hub shape and dtype).
         keep_buffers: reuse the memory of the tensors handed to the consumer, within a pass and

@@ -32,11 +32,17 @@ import torch
 
 from fsdptk._engine.layouts import Box
 from fsdptk._engine.sources.convert import ConversionProblem, Node, box_indices
-from fsdptk._engine.sources.quantize import fp8_block_quantize, mxfp4_quantize
+from fsdptk._engine.sources.quantize import NonFiniteError, fp8_block_quantize, mxfp4_quantize
 
 __all__ = ["FP8Blocks", "MXFP4Blocks", "FP4_VALUES", "scale_grid", "block_size_problem"]
 
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _refused(name: str, e: NonFiniteError) -> ValueError:
+    """The error of a save (or weight source) asked to quantize ``name`` holding inf or NaN."""
+    return ValueError(f"cannot quantize {name!r}: {e}. Find where the weight became inf or NaN, or leave "
+                      "it unquantized (quantize_if)")
 
 
 def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
@@ -157,7 +163,10 @@ class FP8Blocks(Node):
 
     def split(self, full: torch.Tensor) -> Iterator[tuple[Any, torch.Tensor]]:
         # the inverse of read: the full tensor quantized, the weight's and the scales' tensors
-        q, s = fp8_block_quantize(full, self.block, ue8m0=self.ue8m0)
+        try:
+            q, s = fp8_block_quantize(full, self.block, ue8m0=self.ue8m0)
+        except NonFiniteError as e:
+            raise _refused(self.weight.files()[0], e) from None
         yield from self.weight.split(q.to(self.weight.dtype))
         yield from self.scale.split(_scales_as(s, self.scale.dtype))
 
@@ -214,6 +223,9 @@ class MXFP4Blocks(Node):
 
     def split(self, full: torch.Tensor) -> Iterator[tuple[Any, torch.Tensor]]:
         # the inverse of read: the full tensor quantized into gpt-oss's blocks and scales
-        blocks, scales = mxfp4_quantize(full)
+        try:
+            blocks, scales = mxfp4_quantize(full)
+        except NonFiniteError as e:
+            raise _refused(self.key, e) from None
         yield from self.blocks.split(blocks)
         yield from self.scales.split(scales)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FP8_MAX", "AMAX_FLOOR", "fp8_block_quantize", "mxfp4_quantize", "e2m1_codes", "MXFP4_GROUP"]
+__all__ = ["FP8_MAX", "AMAX_FLOOR", "fp8_block_quantize", "mxfp4_quantize", "e2m1_codes", "MXFP4_GROUP",
+           "NonFiniteError"]
 
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 AMAX_FLOOR = 1e-4  # per_block_cast_to_fp8's clamp: an all-zero block gets the scale 1e-4 / 448
@@ -32,6 +33,24 @@ MXFP4_GROUP = 32
 # e2m1 codes 0..7 are 0, 0.5, 1, 1.5, 2, 3, 4, 6: a magnitude gets the code of the number of these
 # thresholds it reaches (the midpoints, each rounding up), saturating at 6
 _E2M1_THRESHOLDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+class NonFiniteError(ValueError):
+    """The tensor to quantize holds inf or NaN: its block's scale would be inf or NaN (FP8: a
+    block of NaN with scale inf; MXFP4: scale byte 255, or codes from NaN), a release that loads
+    but computes garbage. ``count``: how many of its values are not finite."""
+
+    def __init__(self, x: torch.Tensor, method: str) -> None:
+        self.count = int((~torch.isfinite(x)).sum())
+        super().__init__(f"{self.count} of its {x.numel()} values (shape {list(x.shape)}) are not finite "
+                         f"(inf or NaN), and {method} cannot represent them: the block's scale would be "
+                         "inf or NaN")
+
+
+def _check_finite(x: torch.Tensor, amax: torch.Tensor, method: str) -> None:
+    """Raise :class:`NonFiniteError` where a block's amax (which inf and NaN reach) is not finite."""
+    if not bool(torch.isfinite(amax).all()):
+        raise NonFiniteError(x, method)
 
 
 def _ceil_pow2(s: torch.Tensor) -> torch.Tensor:
@@ -53,6 +72,7 @@ def fp8_block_quantize(x: torch.Tensor, block: tuple[int, int] = (128, 128), *, 
 
     Raises:
         ValueError: ``x`` has fewer than 2 dims or is not floating.
+        NonFiniteError: ``x`` holds inf or NaN (a ValueError naming how many values).
 
     Example:
         >>> q, s = fp8_block_quantize(torch.full((3, 5), 2.0), (2, 4))
@@ -72,7 +92,9 @@ def fp8_block_quantize(x: torch.Tensor, block: tuple[int, int] = (128, 128), *, 
         padded = torch.zeros(*lead, gm * bm, gn * bn, dtype=x.dtype, device=x.device)
         padded[..., :m, :n] = x
     tiles = padded.reshape(*lead, gm, bm, gn, bn)
-    amax = tiles.abs().float().amax(dim=(-3, -1), keepdim=True).clamp(AMAX_FLOOR)
+    amax = tiles.abs().float().amax(dim=(-3, -1), keepdim=True)
+    _check_finite(x, amax, "FP8")
+    amax = amax.clamp(AMAX_FLOOR)
     scale = amax / FP8_MAX
     if ue8m0:
         scale = _ceil_pow2(scale)
@@ -109,6 +131,7 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Raises:
         ValueError: fewer than 2 dims, not floating, or dim -2 not a multiple of 32.
+        NonFiniteError: ``w`` holds inf or NaN (a ValueError naming how many values).
 
     Example:
         >>> blocks, scales = mxfp4_quantize(torch.full((64, 3), 3.0))  # 3 = 6 (code 7) * 2 ** (126 - 127)
@@ -122,6 +145,7 @@ def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     *lead, rows, cols = t.shape
     groups = t.reshape(*lead, rows, cols // MXFP4_GROUP, MXFP4_GROUP)
     amax = groups.abs().amax(dim=-1, keepdim=True)
+    _check_finite(w, amax, "MXFP4")
     bits = (amax / 6.0).view(torch.int32)
     rounded = (bits + 0x007FFFFF) & 0x7F800000  # the scale rounded up to a power of two
     scale = rounded.view(torch.float32)
