@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
@@ -236,3 +238,184 @@ def test_state_resumes_at_another_world_size_and_in_torch_muon(world, checkpoint
     for dcp_dir in (None, str(tmp_path / "dcp")):
         results = world(2).run(_resume_and_step, src, {"dp_shard": 2}, full_sd, full_osd, dcp_dir)
         assert results[0] == [], dcp_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# errors on every rank
+
+
+def _construct(bad_on: list[int]) -> tuple[str, str]:
+    """Muon over a Linear's weight, and its bias on the ranks in ``bad_on``."""
+    import torch.distributed as dist
+
+    from fsdptk import Muon
+
+    from _counting import raised
+
+    lin = torch.nn.Linear(4, 3)
+    named = [("proj.weight", lin.weight)] + ([("proj.bias", lin.bias)] if dist.get_rank() in bad_on else [])
+    return raised(Muon, named)
+
+
+def _step_with_grads(grad_on: list[int]) -> tuple[str, str]:
+    """A step where only the ranks in ``grad_on`` have a gradient for the second matrix."""
+    import torch.distributed as dist
+
+    from fsdptk import Muon
+
+    from _counting import raised
+
+    a, b = torch.nn.Parameter(torch.ones(4, 3)), torch.nn.Parameter(torch.ones(3, 2))
+    opt = Muon([a, b])
+    a.grad = torch.ones(4, 3)
+    if dist.get_rank() in grad_on:
+        b.grad = torch.ones(3, 2)
+    out = raised(opt.step)
+    assert not opt.state[a], "a failed step changes nothing"
+    assert torch.equal(a.detach(), torch.ones(4, 3))
+    return out
+
+
+def test_a_bad_parameter_is_named_on_every_rank(world):
+    for bad_on in ([0, 1], [1]):
+        results = world(2).run(_construct, bad_on)
+        assert len({r[0] for r in results}) == 1 and results[0][0] == "ValueError", results
+        for _kind, msg in results:
+            assert "'proj.bias' has shape [3] (1-D)" in msg and "AdamW" in msg, msg
+    assert world(2).run(_construct, []) == [("no error", "")] * 2
+
+
+def test_a_step_whose_ranks_disagree_fails_on_every_rank_and_changes_nothing(world):
+    results = world(2).run(_step_with_grads, [0])
+    assert [r[0] for r in results] == ["ValueError"] * 2
+    assert all("differ between rank 0 and ranks [1]" in r[1] for r in results), results
+
+
+def test_torch_muon_refusals_are_kept():
+    from fsdptk import Muon
+
+    w = torch.nn.Parameter(torch.zeros(2, 2))
+    for kwargs, needle in [({"lr": -1.0}, "Learning rate"), ({"adjust_lr_fn": "nope"}, "nope"),
+                           ({"momentum": -0.1}, "momentum")]:
+        with pytest.raises(ValueError, match=needle):
+            Muon([w], **kwargs)
+    with pytest.raises(ValueError, match="complex"):
+        Muon([torch.nn.Parameter(torch.zeros(2, 2, dtype=torch.complex64))])
+    with pytest.raises(ValueError, match=r"\[2, 2, 2, 2\] \(4-D\)"):
+        Muon([torch.nn.Parameter(torch.zeros(2, 2, 2, 2))])
+    opt = Muon([w])
+    w.grad = torch.zeros(2, 2).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan: owners spread by Newton-Schulz work, each piece to its owner and back once
+
+
+def _llama_like_shapes(layers: int = 8, h: int = 512, f: int = 1408, kv: int = 128) -> list[tuple[int, ...]]:
+    one = [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)]
+    return one * layers + [(8, f, h), (8, h, f)]
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 8])
+def test_owners_share_the_work_and_bytes_travel_once_each_way(world_size):
+    from fsdptk._engine.layouts import box_shape
+    from fsdptk._plans.muon_plan import WIRE_DTYPE, bucket_view, ns_cost, plan_step
+
+    shapes = _llama_like_shapes()
+
+    def rows(n: int, r: int) -> slice:
+        per = -(-n // world_size)
+        return slice(min(r * per, n), min((r + 1) * per, n))
+
+    boxes = [[(rows(s[0], r), *(slice(0, d) for d in s[1:])) for s in shapes] for r in range(world_size)]
+    plan = plan_step(shapes, boxes, ["h"] * world_size, bucket_bytes=4 * 2**20)
+    mean = sum(plan.load) / world_size
+    assert max(plan.load) <= 1.25 * mean, plan.load
+    assert sum(plan.load) == sum(ns_cost(m.shape) for m in plan.matrices)
+    sent = sum(m.nbytes for b in plan.buckets for r in range(world_size)
+               for m in (bucket_view(plan, b, r).there + bucket_view(plan, b, r).back) if not m.recv)
+    received = sum(m.nbytes for b in plan.buckets for r in range(world_size)
+                   for m in (bucket_view(plan, b, r).there + bucket_view(plan, b, r).back) if m.recv)
+    # each piece a rank does not own goes to the owner and comes back: once each way
+    one_way = sum(box_shape(p.box)[0] * box_shape(p.box)[1] * WIRE_DTYPE.itemsize for r in range(world_size)
+                  for i, p in enumerate(plan.pieces[r]) if p is not None and plan.owners[i] != r)
+    messages = sum(len(bucket_view(plan, b, r).there) + len(bucket_view(plan, b, r).back)
+                   for b in plan.buckets for r in range(world_size))
+    assert sent == received
+    assert 2 * one_way <= sent <= 2 * one_way + 16 * messages  # (16-byte alignment in the flat buffers)
+    matrices = sum(m.shape[0] * m.shape[1] * WIRE_DTYPE.itemsize for m in plan.matrices)
+    assert sent <= 2 * matrices * (world_size - 1) / world_size + 16 * messages
+
+
+def test_an_expert_held_whole_stays_with_its_holder():
+    from fsdptk._plans.muon_plan import bucket_view, plan_step
+
+    # 4 experts, 2 whole ones per rank (expert parallelism): no piece needs to travel
+    boxes = [[(slice(0, 2), slice(0, 16), slice(0, 8))], [(slice(2, 4), slice(0, 16), slice(0, 8))]]
+    plan = plan_step([(4, 16, 8)], boxes, ["h", "h"], bucket_bytes=2**20)
+    assert plan.owners == [0, 0, 1, 1]
+    assert all(not bucket_view(plan, b, r).there and not bucket_view(plan, b, r).back
+               for b in plan.buckets for r in range(2))
+
+
+# ---------------------------------------------------------------------------------------------
+# property: random shapes and placements of plain DTensors, against torch.optim.Muon
+
+_MESHES: dict[tuple[int, ...], object] = {}  # per worker: one mesh per shape (built once)
+
+
+def _random_dtensors(case: dict) -> bool:
+    """Two steps of Muon over DTensors of the drawn shapes and placements: every rank compares the
+    full parameters and momentum buffers with its own single-process torch.optim.Muon."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from fsdptk import Muon
+
+    mesh_shape = tuple(case["mesh"])
+    if mesh_shape not in _MESHES:
+        _MESHES[mesh_shape] = init_device_mesh("cpu", mesh_shape)
+    mesh = _MESHES[mesh_shape]
+    gen = torch.Generator().manual_seed(case["seed"])
+    fulls = [torch.randn(shape, generator=gen) for shape, _ in case["params"]]
+
+    def placed(full: torch.Tensor, names: list[str]) -> torch.Tensor:
+        placements = [Replicate() if n == "R" else Shard(int(n[1:])) for n in names]
+        return distribute_tensor(full, mesh, placements, src_data_rank=None)
+
+    params = [torch.nn.Parameter(placed(f, names)) for f, (_, names) in zip(fulls, case["params"])]
+    ref = _Reference([(str(i), f) for i, f in enumerate(fulls)], case["kwargs"])
+    opt = Muon(params, **case["kwargs"])
+    same = True
+    for _ in range(2):
+        grads = {str(i): torch.randn(f.shape, generator=gen) for i, f in enumerate(fulls)}
+        for i, (p, (_, names)) in enumerate(zip(params, case["params"])):
+            p.grad = placed(grads[str(i)], names)
+        opt.step()
+        ref.step(grads)
+        for i, p in enumerate(params):
+            same &= torch.equal(p.full_tensor(), ref.value(str(i)))
+            same &= torch.equal(opt.state[p]["momentum_buffer"].full_tensor(), ref.buffer(str(i)))
+    return bool(same)
+
+
+@st.composite
+def _dtensor_cases(draw) -> dict:
+    mesh = draw(st.sampled_from([(4,), (2, 2)]))
+    params = []
+    for _ in range(draw(st.integers(1, 3))):
+        ndim = draw(st.sampled_from([2, 3]))
+        shape = tuple(draw(st.integers(1, 4 if (ndim == 3 and d == 0) else 9)) for d in range(ndim))
+        names = [draw(st.sampled_from(["R", *(f"S{d}" for d in range(ndim))])) for _ in mesh]
+        params.append((shape, names))
+    kwargs = draw(st.sampled_from([{"lr": 0.02}, {"lr": 0.02, "nesterov": False},
+                                   {"lr": 0.02, "adjust_lr_fn": "match_rms_adamw", "weight_decay": 0.0}]))
+    return {"mesh": mesh, "params": params, "kwargs": kwargs, "seed": draw(st.integers(0, 2**16))}
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=_dtensor_cases())
+def test_random_shapes_and_placements_equal_torch_muon(world, case):
+    assert world(4).run(_random_dtensors, case) == [True] * 4

@@ -13,9 +13,10 @@ Design notes
   matrix: for an expert, the box's dims 1-2 when the box's dim 0 holds ``e`` (a slice, or the
   index set of a ``_StridedShard``).
 * Owners: the Newton-Schulz work of an ``(a, b)`` matrix is about ``a * b * min(a, b)``
-  (:func:`ns_cost`); matrices go largest first to the least-loaded rank (longest processing time
-  first), preferring, among ranks within a small tolerance of the least load, the one that holds
-  most of the matrix (an expert held whole by one rank is then orthogonalized where it lives).
+  (:func:`ns_cost`); matrices go largest first to the rank that holds most of the matrix among
+  those it fits on (their load stays within 5% of the mean), else to the least-loaded rank
+  (longest processing time first): an expert held whole by one rank is orthogonalized where it
+  lives, and no rank owns much more than its share.
 * To the owner: every distinct box once, from the owner itself when it holds it, else from a
   holder on the owner's host, else the lowest-ranked holder
   (:func:`fsdptk._engine.routes.choose_senders`, the gather's own rule). Back: the owner sends
@@ -43,7 +44,7 @@ __all__ = ["Matrix", "Piece", "MuonPlan", "ns_cost", "matrices_of", "matrix_piec
            "plan_step", "to_owner_messages", "from_owner_messages", "bucket_view", "WIRE_DTYPE"]
 
 WIRE_DTYPE = torch.bfloat16  # what Newton-Schulz reads and returns: the only dtype on the wire
-_BALANCE_TOLERANCE = 0.05  # of the mean load: how much more loaded a rank holding more may be
+_BALANCE_TOLERANCE = 0.05  # how far above the mean load a rank may go to own what it holds
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,9 @@ def matrix_piece(box: Box | None, m: Matrix) -> Piece | None:
 
 
 def assign_owners(costs: Sequence[int], held: Sequence[Sequence[int]], world: int) -> list[int]:
-    """The owner of every matrix: largest first to the least-loaded rank, preferring among ranks
-    within a small tolerance of the least load the one holding most of the matrix's elements.
+    """The owner of every matrix: largest first, to the rank holding most of it among the ranks it
+    still fits on (their load stays within a small tolerance of the mean), else to the
+    least-loaded rank (longest processing time first).
 
     Args:
         costs: per matrix, its Newton-Schulz work (:func:`ns_cost`).
@@ -141,16 +143,20 @@ def assign_owners(costs: Sequence[int], held: Sequence[Sequence[int]], world: in
         world: the number of ranks.
 
     Examples:
-        >>> assign_owners([8, 8, 1, 1], [[1, 0], [0, 1], [1, 0], [1, 0]], 2)
+        >>> assign_owners([8, 8, 8, 8], [[1, 0], [1, 0], [0, 1], [0, 1]], 2)  # whole experts stay
+        [0, 0, 1, 1]
+        >>> assign_owners([8, 8, 8, 8], [[1, 1]] * 4, 2)
         [0, 1, 0, 1]
     """
     load = [0] * world
     owners = [0] * len(costs)
-    tolerance = _BALANCE_TOLERANCE * sum(costs) / world
+    capacity = (1 + _BALANCE_TOLERANCE) * sum(costs) / world
     for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        least = min(load)
-        near = [r for r in range(world) if load[r] <= least + tolerance]
-        r = max(near, key=lambda r: (held[i][r], -load[r], -r))
+        fits = [r for r in range(world) if load[r] + costs[i] <= capacity]
+        if fits:
+            r = max(fits, key=lambda r: (held[i][r], -load[r], -r))
+        else:
+            r = min(range(world), key=lambda r: (load[r], r))
         owners[i] = r
         load[r] += costs[i]
     return owners
