@@ -28,11 +28,14 @@ _PROMPT = 20.0  # seconds within which every rank must have raised (a hang waits
 _CALL_TIMEOUT = 60  # shorter than a collective's timeout in the test world: a hang fails the test
 
 
-def _fsdp_model(layers: int, rows: int, cols: int, bias: bool = True) -> torch.nn.Module:
+def _fsdp_model(layers: int, rows: int, cols: int, bias: bool = True, mixed: bool = False) -> torch.nn.Module:
+    """``mixed``: every other layer has one output row, which one rank of two does not hold a
+    piece of: gathered whole by ``iter_local(owners="all")``, between the pieces of the others."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(cols, rows, bias=bias) for _ in range(layers)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(cols, 1 if mixed and i % 2 else rows, bias=bias)
+                                  for i in range(layers)])
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
@@ -48,10 +51,11 @@ def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _stop_on_one_rank(mode: str, owners, stopper: int, how: str) -> dict:
     from fsdptk.hf import weight_source
 
-    model = _fsdp_model(6, 64, 64)
+    model = _fsdp_model(6, 64, 64, mixed=mode == "local-mixed")
     source = weight_source(model, conversion=None, owners=owners, bucket_bytes=20_000)
     rank = dist.get_rank()
-    start = {"full": source.iter_full, "buckets": source.iter_buckets, "local": source.iter_local}[mode]
+    start = {"full": source.iter_full, "buckets": source.iter_buckets, "local": source.iter_local,
+             "local-mixed": source.iter_local}[mode]
     outcome = None
     seen = 0
     t0 = time.monotonic()
@@ -81,10 +85,11 @@ def _stop_on_one_rank(mode: str, owners, stopper: int, how: str) -> dict:
 
 @pytest.mark.parametrize("how", ["raise", "break", "close"])
 @pytest.mark.parametrize(("mode", "owners", "stopper"), [("full", "all", 1), ("full", 1, 0), ("buckets", 1, 1),
-                                                         ("local", "all", 1)])
+                                                         ("local", "all", 1), ("local-mixed", "all", 0)])
 def test_a_consumer_leaving_on_one_rank_fails_every_other_rank_at_once(world, mode, owners, stopper, how) -> None:
     """``local`` with owners="all" over FSDP: every Hub tensor is a piece the rank holds, so every
-    piece is yielded after the (empty) gather: the case the engine's agreements did not cover."""
+    piece is yielded after the (empty) gather: the case the engine's agreements did not cover;
+    ``local-mixed``: pieces and gathered tensors interleaved (the consumer leaves at a piece)."""
     results = world(2).run(_stop_on_one_rank, mode, owners, stopper, how, timeout=_CALL_TIMEOUT)
     for rank, r in enumerate(results):
         if rank == stopper:
