@@ -356,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
         from .weight_sync import main as weight_sync_main
 
         return weight_sync_main(argv[1:])
+    if argv[:1] == ["muon"]:  # fsdptk.Muon beside torch.optim.Muon on DTensors, the naive all-gather, AdamW
+        from .muon import main as muon_main
+
+        return muon_main(argv[1:])
     if argv[:1] == ["quant-save"]:  # FP8 saves beside the unquantized one and save_file of the same bytes
         from .quant_save import main as quant_save_main
 
