@@ -187,7 +187,13 @@ class Muon(torch.optim.Optimizer):
         """
         gi = len(self.param_groups)
         params = param_group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        if isinstance(params, set):  # torch refuses sets with its own message
+            return super().add_param_group(param_group)
+        if not isinstance(params, torch.Tensor):
+            params = list(params)  # (a generator is read once: the group keeps the list)
+            param_group = {**param_group, "params": params}
+        else:
+            params = [params]
         names = param_group.get("param_names")
         if names is None and params and isinstance(params[0], tuple):
             names = [n for n, _ in params]

@@ -291,6 +291,30 @@ def test_a_step_whose_ranks_disagree_fails_on_every_rank_and_changes_nothing(wor
     assert all("differ between rank 0 and ranks [1]" in r[1] for r in results), results
 
 
+def _plain_replicated() -> bool:
+    """Plain (replicated) tensors on every rank: one owner orthogonalizes, every rank gets it."""
+    from fsdptk import Muon
+
+    gen = torch.Generator().manual_seed(3)
+    fulls = [torch.randn(5, 7, generator=gen), torch.randn(3, 6, 2, generator=gen)]
+    params = [torch.nn.Parameter(f.clone()) for f in fulls]
+    ref = _Reference([(str(i), f) for i, f in enumerate(fulls)], {"lr": _LR})
+    opt = Muon((p for p in params), lr=_LR)  # a generator, as torch optimizers take
+    same = True
+    for _ in range(2):
+        grads = {str(i): torch.randn(f.shape, generator=gen) for i, f in enumerate(fulls)}
+        for i, p in enumerate(params):
+            p.grad = grads[str(i)].clone()
+        opt.step()
+        ref.step(grads)
+        same &= all(torch.equal(p.detach(), ref.value(str(i))) for i, p in enumerate(params))
+    return same
+
+
+def test_plain_replicated_tensors_equal_torch_muon_on_every_rank(world):
+    assert world(2).run(_plain_replicated) == [True, True]
+
+
 def test_torch_muon_refusals_are_kept():
     from fsdptk import Muon
 
