@@ -376,3 +376,49 @@ def test_cycles_made_inside_the_call_are_collected_inside_it():
         inside = len(freed)
     assert inside > 0, "no cycle made inside the block was collected inside it"
     assert gc.get_freeze_count() == 0 and gc.isenabled()
+
+
+@pytest.mark.parametrize("age", ["young", "old"])
+def test_garbage_made_before_the_block_is_freed_not_frozen(age):
+    """A cycle dropped just before the block (young, or old: it survived a full collection) is
+    freed by the time the block's body runs, not frozen with the live objects and then left in the
+    oldest generation after it."""
+    import gc
+    import weakref
+
+    from fsdptk.hf.pretrained import _gc_quiet
+
+    class Node:
+        pass
+
+    freed: list[str] = []
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    weakref.finalize(a, freed.append, age)
+    if age == "old":
+        gc.collect()  # it survives a full collection: now in the oldest generation
+    del a, b
+    with _gc_quiet():
+        inside = list(freed)
+        _ = [[j] for j in range(20000)]  # young collections inside the block
+    assert inside == [age]
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+
+
+def test_a_reload_loop_never_holds_the_dropped_model(reference):
+    """``del model; model = from_pretrained(src)`` in a loop: the dropped model (cycles, in the
+    oldest generation after the call that made it) is freed before the reload returns, so the loop
+    never holds two models."""
+    import gc
+    import weakref
+
+    src = str(reference("llama")["src"])
+    drops: list[weakref.ref] = []
+    for _ in range(3):
+        model = from_pretrained(src)
+        object.__setattr__(model, "_cycle", [model])  # a cycle: only the collector frees it
+        gc.collect()  # it survived a full collection: the oldest generation
+        drops.append(weakref.ref(model))
+        del model
+        from_pretrained(src)
+        assert drops[-1]() is None, "the dropped model outlived the reload"
