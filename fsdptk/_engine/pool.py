@@ -44,6 +44,8 @@ from fsdptk._core.compat import storage_users
 
 __all__ = ["Pool"]
 
+SMALL = 128 * 1024  # glibc's default mmap threshold: malloc serves smaller blocks from its heap, warm
+
 
 class Pool:
     """Exact-size CPU blocks, reused once nothing but the pool holds them.
@@ -117,10 +119,10 @@ class Pool:
     def trim(self) -> None:
         """The end of a call: what a pool kept between calls holds until the next. Blocks shared
         with another process are forgotten; then blocks are dropped until they add up to at most
-        ``cap``, free or held (a held one is forgotten: it is freed when its holder lets go), those
-        no expected request needs first, then the oldest."""
+        ``cap``, free or held (a held one is forgotten: it is freed when its holder lets go): those
+        under ``SMALL`` bytes first (malloc serves them warm from its heap), then the oldest."""
         self._forget_shared()
-        self._trim(0, held_too=True)
+        self._trim(0, end=True)
 
     def nbytes(self) -> int:
         """The bytes of every block, free or held."""
@@ -138,16 +140,17 @@ class Pool:
                 else:
                     del self._blocks[s]
 
-    def _trim(self, new: int, held_too: bool = False) -> None:
-        """Drop free blocks (and held ones with ``held_too``) while every block and ``new`` more
-        bytes add up to over ``cap``: those no expected request needs first, then the oldest."""
+    def _trim(self, new: int, end: bool = False) -> None:
+        """Drop free blocks while every block and ``new`` more bytes add up to over ``cap``: those
+        no expected request needs first, then the oldest. ``end`` (of a call): held blocks too, and
+        those under ``SMALL`` bytes before the others."""
         total = self.nbytes() + new
         if total <= self.cap:
             return
-        candidates = [(self._expected[size] > 0, made, size) for size, bs in self._blocks.items()
-                      for made, b in bs if held_too or storage_users(b) == 1]
+        candidates = [(self._expected[size] > 0, end and size >= SMALL, made, size) for size, bs in self._blocks.items()
+                      for made, b in bs if end or storage_users(b) == 1]
         gone: set[int] = set()
-        for _, made, size in sorted(candidates):  # not expected first, then the oldest
+        for *_, made, size in sorted(candidates):
             if total <= self.cap:
                 break
             gone.add(made)
