@@ -34,6 +34,7 @@ from tests.test_hf_moe import build_reference  # noqa: E402 - after the skips
 
 _SEED, _LR = 5, 0.5
 _QB = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.default.weight"
+_PEFT_SIZES_BY_GLOBAL_SHAPE = tuple(int(x) for x in peft.__version__.split(".")[:2]) >= (0, 22)
 _EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 # family -> LoraConfig kwargs
 LORAS = {
@@ -225,9 +226,11 @@ def test_fresh_adapters_are_peft_init_on_every_rank_before_and_after_a_step(
         if order == "before":
             assert r["on_meta_before"] and all("lora_" in k for k in r["on_meta_before"]), (
                 rank, "the adapters are on meta after the base load until init_adapters")
-        else:  # PEFT's own per-rank values; on a named mesh at the local shard's shape
+        else:  # PEFT's own per-rank values: PEFT 0.21 sizes them by the local shard on a named
+            # mesh, 0.22 by the DTensor's global shape; fsdptk takes either
             assert not r["on_meta_before"], rank
-            assert r["peft_shapes"][_QB] == [64 // dims["dp_shard"], 4], (rank, r["peft_shapes"][_QB])
+            rows = 64 if _PEFT_SIZES_BY_GLOBAL_SHAPE else 64 // dims["dp_shard"]
+            assert r["peft_shapes"][_QB] == [rows, 4], (rank, r["peft_shapes"][_QB])
         assert r["rng_kept"], rank
         # rank 0 alone builds the adapters; one load from rank 0 moves exactly the adapter keys
         assert r["built"] == ([len(judge["attached"])] if rank == 0 else []), (rank, r["built"])

@@ -3,8 +3,8 @@ full shapes, for :func:`fsdptk.hf.init_adapters` to distribute with one load.
 
 PEFT's own initialisation, replayed: for each LoRA layer in the order ``get_peft_model`` creates
 them (adapters in ``peft_config`` order; per adapter, the ``target_modules`` layers in module
-order, then the ``target_parameters`` wrappers, the innermost of a nested chain first, as PEFT's
-``_inject_parameters`` nests them), the two ``nn.Linear`` of PEFT's ``update_layer`` are built
+order, and the ``target_parameters`` wrappers, the innermost of a nested chain first, as PEFT's
+``_inject_parameters`` nests them: the layers first with PEFT 0.21, the wrappers first from 0.22), the two ``nn.Linear`` of PEFT's ``update_layer`` are built
 (their constructors draw from the generator, as PEFT's do) and handed to the layer's own
 ``reset_lora_parameters``. From ``torch.manual_seed(seed)`` the values are those of
 ``get_peft_model(base, config)`` in one process after the same seed. Only what needs no base
@@ -51,7 +51,17 @@ def _fresh_order(model: nn.Module, adapter: str) -> list[tuple[str, Any]]:
         while isinstance(chain[-1][1].base_layer, ParamWrapper):
             chain.append((f"{chain[-1][0]}.base_layer", chain[-1][1].base_layer))
         chains.extend(reversed([c for c in chain if adapter in c[1].lora_A]))
-    return plain + chains
+    # PEFT 0.22's inject_adapter checks every target first and then creates the target_parameters
+    # wrappers before the target_modules layers; 0.21 created the layers first
+    return chains + plain if _peft_release() >= (0, 22) else plain + chains
+
+
+def _peft_release() -> tuple[int, int]:
+    """The installed PEFT's (major, minor)."""
+    from importlib.metadata import version
+
+    major, minor = (version("peft").split(".") + ["0"])[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
 
 
 def fresh_adapter_plan(model: nn.Module, adapter_names: list[str]) -> list[tuple[str, Any, str, Any]]:
