@@ -145,8 +145,9 @@ _LAYOUTS = [
     (4, {"dp_shard": 2, "tp": 2}, "llama"),
     (4, {"dp_shard": 4, "ep": 2}, "qwen3_moe"),
     (4, {"dp_shard": 2, "tp": 2, "ep": 2}, "qwen3_moe"),
+    (4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, "qwen3_moe"),  # experts over 3 mesh dims
 ]
-_IDS = ["fsdp2-llama", "fsdp4-llama", "hsdp-llama", "tp-llama", "ep-qwen3moe", "tp-ep-qwen3moe"]
+_IDS = ["fsdp2-llama", "fsdp4-llama", "hsdp-llama", "tp-llama", "ep-qwen3moe", "tp-ep-qwen3moe", "hsdp-ep-qwen3moe"]
 
 
 @pytest.mark.parametrize("ranks, dims_kw, family", _LAYOUTS, ids=_IDS)

@@ -32,6 +32,8 @@ the calling thread chose another). See ``docs/state_dict.md``. The parts:
   (:func:`collect`);
 - :mod:`~fsdptk._engine.pool`: the gather's reused CPU memory (a block handed out again only once
   nobody holds it).
+- :mod:`~fsdptk._engine.owners`: owner rounds: each item's pieces to its owner, computed there on
+  the full item, each holder's piece of the result back (:class:`fsdptk.Muon`'s step).
 """
 
 from fsdptk._engine.agree import LoadPlan, agree, check_source, merge_checks
