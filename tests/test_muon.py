@@ -271,6 +271,9 @@ def _step_with_grads(grad_on: list[int]) -> tuple[str, str]:
     a.grad = torch.ones(4, 3)
     if dist.get_rank() in grad_on:
         b.grad = torch.ones(3, 2)
+    elif grad_on == []:  # every rank has both gradients, but rank 1's learning rate differs
+        b.grad = torch.ones(3, 2)
+        opt.param_groups[0]["lr"] = 0.5 if dist.get_rank() == 1 else 1e-3
     out = raised(opt.step)
     assert not opt.state[a], "a failed step changes nothing"
     assert torch.equal(a.detach(), torch.ones(4, 3))
@@ -287,9 +290,40 @@ def test_a_bad_parameter_is_named_on_every_rank(world):
 
 
 def test_a_step_whose_ranks_disagree_fails_on_every_rank_and_changes_nothing(world):
-    results = world(2).run(_step_with_grads, [0])
-    assert [r[0] for r in results] == ["ValueError"] * 2
-    assert all("differ between rank 0 and ranks [1]" in r[1] for r in results), results
+    for grad_on in ([0], []):
+        results = world(2).run(_step_with_grads, grad_on)
+        assert [r[0] for r in results] == ["ValueError"] * 2
+        assert all("differ between rank 0 and ranks [1]" in r[1] for r in results), results
+
+
+def _owner_fails_mid_step(ns_steps_on: dict) -> tuple[str, str, bool]:
+    """A step whose Newton-Schulz raises on the owners only (torch refuses ``ns_steps >= 100`` inside
+    its function, after the bucket's agreement): the error on every rank, nothing changed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from fsdptk import Muon
+
+    from _counting import raised
+
+    mesh = _MESHES.setdefault((2,), init_device_mesh("cpu", (2,)))
+    full = torch.arange(48, dtype=torch.float32).reshape(8, 6) / 48
+    params = [torch.nn.Parameter(distribute_tensor(full.clone(), mesh, [Shard(0)], src_data_rank=None)),
+              torch.nn.Parameter(distribute_tensor(full.T.clone(), mesh, [Shard(1)], src_data_rank=None))]
+    opt = Muon([{"params": [params[0]]}, {"params": [params[1]], "ns_steps": ns_steps_on["second"]}], lr=_LR)
+    for p in params:
+        p.grad = distribute_tensor(torch.ones(p.shape), mesh, p.placements, src_data_rank=None)
+    kind, msg = raised(opt.step)
+    unchanged = (not opt.state[params[0]] and not opt.state[params[1]]
+                 and torch.equal(params[0].full_tensor(), full) and torch.equal(params[1].full_tensor(), full.T))
+    return kind, msg, unchanged
+
+
+def test_an_owner_failing_mid_step_fails_every_rank_and_changes_nothing(world):
+    results = world(2).run(_owner_fails_mid_step, {"second": 100})
+    assert [r[0] for r in results] == ["ValueError"] * 2, results
+    assert all("Number of steps must be less than 100" in r[1] and r[2] for r in results), results
+    assert world(2).run(_owner_fails_mid_step, {"second": 5}) == [("no error", "", False)] * 2
 
 
 def _plain_replicated() -> bool:
