@@ -399,7 +399,7 @@ def save_safetensors_async(
         'model.safetensors'
     """
     from fsdptk._files.save import plan_save, write_save
-    from fsdptk.conversions import quantized_layout
+    from fsdptk._plans.hub_items import quantized_layout, save_items
 
     started = time.monotonic()
     group = _begin()
@@ -408,9 +408,10 @@ def save_safetensors_async(
                     bucket_bytes=bucket_bytes, quantize=quantize, block_size=block_size, quantize_if=quantize_if)
     layout = run_agreed(lambda: quantized_layout(model, conversion, quantize=quantize, block_size=block_size,
                                                  quantize_if=quantize_if, dtype=dtype))
-    plan = plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
-                      rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress,
-                      conversion=layout.nodes, writers=writers, written=layout.written)
+    items, dtypes = save_items(model, tied, dtype)
+    plan = plan_save(items, dtypes, path, max_shard_size=max_shard_size, rename=rename, metadata=metadata,
+                      bucket_bytes=bucket_bytes, progress=progress, conversion=layout.nodes, writers=writers,
+                      written=layout.written)
 
     def take() -> list[tuple[str, torch.Tensor]]:
         snap = _Snapshot()

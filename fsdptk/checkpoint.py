@@ -36,7 +36,8 @@ from fsdptk._files.safetensors_io import (
     parse_size,
 )
 from fsdptk._files.save import plan_save, write_save
-from fsdptk.conversions import ConversionArg, quantized_layout
+from fsdptk._plans.hub_items import quantized_layout, save_items
+from fsdptk.conversions import ConversionArg
 from fsdptk.dcp import (
     dcp_to_safetensors,
     load_dcp,
@@ -357,9 +358,10 @@ def save_safetensors(
                     quantize=quantize, block_size=block_size, quantize_if=quantize_if)
     layout = run_agreed(lambda: quantized_layout(model, conversion, quantize=quantize, block_size=block_size,
                                                  quantize_if=quantize_if, dtype=dtype))
-    plan = plan_save(model, path, max_shard_size=max_shard_size, tied=tied, dtype=dtype,
-                      rename=rename, metadata=metadata, bucket_bytes=bucket_bytes, progress=progress,
-                      conversion=layout.nodes, writers=writers, written=layout.written)
+    items, dtypes = save_items(model, tied, dtype)
+    plan = plan_save(items, dtypes, path, max_shard_size=max_shard_size, rename=rename, metadata=metadata,
+                      bucket_bytes=bucket_bytes, progress=progress, conversion=layout.nodes, writers=writers,
+                      written=layout.written)
 
     def stage_config() -> Any:
         return stage_hf_config(model, plan.path, dtype=dtype,

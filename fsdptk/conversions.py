@@ -35,9 +35,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, cast
-
-import torch
+from typing import Any, Literal, cast
 
 from fsdptk._engine.sources.convert import (
     Chunk,
@@ -259,83 +257,3 @@ def resolve_load(model: Any, conversion: ConversionArg, metas: Mapping[str, Any]
         return hub_nodes(model, as_metas, shapes=own)
     except ConversionProblem as e:
         raise ConversionError(str(e)) from None
-
-
-def resolve_save(model: Any, conversion: ConversionArg, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
-                 ) -> dict[str, Node] | None:
-    """Model key -> node over the checkpoint layout a save writes; ``None``: the model's own keys."""
-    if conversion is None:
-        return None
-    if isinstance(conversion, Conversion):
-        raise TypeError("a save writes the Hub layout of a transformers model (conversion='auto') or the "
-                        "model's own keys (conversion=None, with rename= for other names); a declared "
-                        "Conversion applies to loads")
-    if conversion != "auto":
-        raise TypeError(f"conversion must be 'auto', a fsdptk.conversions.Conversion or None, got {conversion!r}")
-    from fsdptk._plans.hf_convert import hub_save_nodes, is_hf_model
-
-    if not is_hf_model(model):
-        return None
-    try:
-        return hub_save_nodes(model, shapes)
-    except ConversionProblem as e:
-        raise ConversionError(str(e)) from None
-
-
-
-def save_layout(model: Any, conversion: ConversionArg) -> dict[str, Node] | None:
-    """Model key -> node over the checkpoint layout a save of ``model`` writes (every key of
-    ``model.state_dict()``); ``None``: the model's own keys."""
-    shapes = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict(keep_vars=True).items()}
-    return resolve_save(model, conversion, shapes)
-
-
-class SaveLayout(NamedTuple):
-    """What a save writes (:func:`quantized_layout`): ``nodes`` (model key -> node over the
-    checkpoint layout; ``None``: the model's own keys, unquantized), ``written`` (checkpoint keys
-    written in their own dtype: quantized weights and their scales), ``quantization_config`` (for
-    ``config.json``; ``None``: unquantized)."""
-
-    nodes: dict[str, Node] | None
-    written: dict[str, torch.dtype]
-    quantization_config: dict[str, Any] | None
-
-
-def quantized_layout(model: Any, conversion: ConversionArg, *, quantize: str | None, block_size: Any = (128, 128),
-                     quantize_if: Any = None, dtype: torch.dtype | None = None) -> SaveLayout:
-    """The layout a save of ``model`` writes, quantized as ``quantize`` says (``None``: as
-    :func:`save_layout`): the checkpoint layout (Hub or the model's own), its chosen tensors
-    replaced by the release format's (FP8: ``<w>`` + ``<w>_scale_inv``; MXFP4: ``<w>_blocks`` +
-    ``<w>_scales``), as trees whose inverse quantizes on the writer. ``dtype``: the floating dtype
-    written (what is quantized, and what ``quantize_if`` sees); default the model's.
-
-    Raises:
-        ValueError: a bad ``quantize`` or ``block_size``; ``quantize_if`` chose a tensor the format
-            cannot take; nothing to quantize (``mxfp4`` of a model without gpt-oss experts).
-        TypeError: ``quantize_if`` is not callable, or returned something other than a bool.
-        ConversionError: the quantized layout does not convert back to the model's tensors.
-    """
-    from fsdptk._plans.quant_save import plan_quantized, quant_format
-
-    fmt = quant_format(quantize, block_size, quantize_if)
-    if fmt is None:
-        return SaveLayout(save_layout(model, conversion), {}, None)
-    from fsdptk._engine.sources import TensorMeta
-    from fsdptk._plans.hf_convert import hub_file_metas, hub_save_nodes, quantized_leaves
-
-    shapes = {k: (tuple(t.shape), dtype if dtype is not None and t.dtype.is_floating_point else t.dtype)
-              for k, t in model.state_dict(keep_vars=True).items()}
-    try:
-        trees = resolve_save(model, conversion, shapes)
-        metas = hub_file_metas(model, shapes) if trees is not None else None
-        if metas is None:
-            trees, metas = None, {k: TensorMeta(s, d) for k, (s, d) in shapes.items()}
-        owners = {f: k for k, n in trees.items() for f in n.files()} if trees is not None else {}
-        plan = plan_quantized(model, fmt, metas, owners, quantize_if)
-        if trees is None:
-            nodes = quantized_leaves(model, plan.metas, plan.config)
-        else:
-            nodes = hub_save_nodes(model, shapes, metas=plan.metas, quant=plan.config) or {}
-    except ConversionProblem as e:
-        raise ConversionError(str(e)) from None
-    return SaveLayout(nodes, plan.written, plan.config)

@@ -47,8 +47,9 @@ from fsdptk._files.pending import wait_for_pending
 from fsdptk._files.safe_pickle import safe_load_planner, safe_reader
 from fsdptk._files.safetensors_io import SafetensorsCheckpoint, parse_size
 from fsdptk._files.safetensors_writer import ShardedWriter
+from fsdptk._plans.hub_items import resolve_save
 from fsdptk._plans.peft_wrappers import dcp_factor_views, restore_factors
-from fsdptk.conversions import resolve_load, resolve_save
+from fsdptk.conversions import resolve_load
 from fsdptk.errors import ConversionError, StateDictMismatchError
 
 __all__ = [

@@ -302,7 +302,7 @@ def test_saved_file_equals_vllm_and_its_config_is_accepted(tmp_path, quantize):
     from vllm.utils.deep_gemm import per_block_cast_to_fp8
 
     from fsdptk import save_safetensors
-    from fsdptk.conversions import quantized_layout
+    from fsdptk._plans.hub_items import quantized_layout
 
     torch.manual_seed(0)
     model = _Layers().to(torch.bfloat16)

@@ -1,6 +1,7 @@
-"""A streamed safetensors save: the plan taken from the model, then the gather into the files.
+"""A streamed safetensors save: the files of a plan's items, then the gather into the files.
 
-:func:`plan_save` checks the arguments and plans items and files before any tensor moves (the
+:func:`plan_save` checks the arguments and plans the files of the items the caller planned
+(:mod:`fsdptk._plans.hub_items`, what a model emits) before any tensor moves (the
 front half of :func:`fsdptk.save_safetensors`); :func:`write_save` gathers the planned items to
 rank 0 bucket by bucket (the engine's ``collect``) and writes each full tensor straight to its
 place in its file, then commits (the back half). A background save (:mod:`fsdptk.background`)
@@ -17,12 +18,10 @@ from pathlib import Path
 from typing import Any, NamedTuple, cast
 
 import torch
-from torch import nn
 
 from fsdptk import _engine
 from fsdptk._core.dist import all_gather_object, run_agreed
 from fsdptk._core.dist import world as _world
-from fsdptk._core.names import tie_groups
 from fsdptk._engine import bucket_size
 from fsdptk._engine.gather import Holdings
 from fsdptk._engine.layouts import box_shape, full_box
@@ -33,27 +32,9 @@ from fsdptk._files.safetensors_io import INDEX_SUFFIX, _numel, parse_size
 from fsdptk._files.safetensors_writer import ShardedWriter, ShardFiles, plan_shards
 from fsdptk._files.writers import WriterAssignment, shard_limit, writer_ranks
 
-__all__ = ["SavePlan", "plan_save", "save_items", "stream_to_writer", "write_save", "write_streamed"]
+__all__ = ["SavePlan", "plan_save", "stream_to_writer", "write_save", "write_streamed"]
 
 PathLike = str | os.PathLike[str]
-
-
-def save_items(model: nn.Module, tied: str, rename: Rename, dtype: torch.dtype | None
-                ) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str], dict[str, torch.dtype]]:
-    """(model items to gather, {model key: file key}, {model key: dtype in the file})."""
-    if tied not in ("omit", "both"):
-        raise ValueError(f"tied must be 'omit' or 'both', got {tied!r}")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
-    sd = model.state_dict(keep_vars=True)
-    skip = {k for g in tie_groups(model) for k in g[1:]} if tied == "omit" else set()
-    items = [(k, t) for k, t in sd.items() if k not in skip]
-    out_name = {old: new for new, old in rename_keys([k for k, _ in items], rename,
-                                                     what="model key").items()}
-    items = [(k, t) for k, t in items if k in out_name]
-    dtypes = {k: dtype if (dtype is not None and t.dtype.is_floating_point) else t.dtype
-              for k, t in items}
-    return items, out_name, dtypes
 
 
 def stream_to_writer(buckets: Generator[list[tuple[str, torch.Tensor]], None, None], writer: ShardFiles | None,
@@ -110,12 +91,13 @@ class SavePlan:
     written: Mapping[str, torch.dtype] = field(default_factory=dict)  # checkpoint keys in their own dtype (quantized)
 
 
-def plan_save(model: nn.Module, path: PathLike, *, max_shard_size: int | str, tied: str,
-               dtype: torch.dtype | None, rename: Rename, metadata: Mapping[str, str] | None,
+def plan_save(items: list[tuple[str, torch.Tensor]], dtypes: dict[str, torch.dtype], path: PathLike, *,
+               max_shard_size: int | str, rename: Rename, metadata: Mapping[str, str] | None,
                bucket_bytes: int | None, progress: bool | None,
                conversion: Mapping[str, Node] | None = None, writers: int | str = 1,
                written: Mapping[str, torch.dtype] | None = None) -> SavePlan:
-    """The front half of :func:`fsdptk.save_safetensors`: arguments checked, items and file layout
+    """The front half of :func:`fsdptk.save_safetensors`: arguments checked, the file layout of
+    ``items`` (the model's, :func:`fsdptk._plans.hub_items.save_items`, written in ``dtypes``)
     planned. ``conversion`` (model key -> node over the checkpoint's layout) writes each model
     tensor as the checkpoint tensors its node reads (the Hub layout); ``rename`` then applies to
     those keys. ``writers`` (an int or ``"host"``): :func:`fsdptk._files.writers.writer_ranks`
@@ -131,11 +113,13 @@ def plan_save(model: nn.Module, path: PathLike, *, max_shard_size: int | str, ti
     limit = parse_size(max_shard_size)
     nbytes = bucket_size(bucket_bytes)
     if conversion is None:
-        items, out_name, dtypes = save_items(model, tied, rename, dtype)
+        out_name = {old: new for new, old in rename_keys([k for k, _ in items], rename,
+                                                         what="model key").items()}
+        items = [(k, t) for k, t in items if k in out_name]
+        dtypes = {k: dtypes[k] for k, _ in items}
         entries = [(out_name[k], dtypes[k], tuple(t.shape)) for k, t in items]
         split = None
     else:
-        items, _, dtypes = save_items(model, tied, None, dtype)
         pieces: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         for k, _t in items:
             node = conversion[k]

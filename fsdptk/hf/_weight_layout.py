@@ -20,10 +20,10 @@ from fsdptk._core.compat import local_tensor
 from fsdptk._engine.gather import Holdings
 from fsdptk._engine.layouts import Box, box_shape, layout_of
 from fsdptk._engine.sources.convert import Node
+from fsdptk._plans.hub_items import Items, Plan
 from fsdptk.hf._weight_meta import rank_grid, splittable
-from fsdptk.hf._weight_plan import Items, Plan
 
-__all__ = ["SourceView", "Layout", "check", "held", "raise_disagreement", "assign"]
+__all__ = ["SourceView", "Ownership", "check", "held", "raise_disagreement", "assign"]
 
 
 class SourceView(NamedTuple):
@@ -41,7 +41,7 @@ class SourceView(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Layout:
+class Ownership:
     """Agreed on every rank: where each item is gathered, who owns each Hub tensor, which are split."""
 
     dests: list[list[int]]  # per item, the ranks its full tensor is gathered to
@@ -123,15 +123,16 @@ def raise_disagreement(views: list[SourceView]) -> None:
                          f"and ranks {diff}")
 
 
-def assign(plan: Plan, views: list[SourceView], owners: int | str, rank: int) -> Layout:
+def assign(plan: Plan, views: list[SourceView], owners: int | str, rank: int) -> Ownership:
     """Where each item is gathered and who owns each Hub tensor (every rank computes the same from
     the agreed views): ``owners`` 1, W or ``"host"``: one rank per Hub tensor, whole Hub tensors
     assigned as a save's files are (all those of one model tensor together); ``"all"``: every rank."""
     world = len(views)
     if owners == "all":
         everyone = tuple(range(world))
-        return Layout(dests=[list(everyone) for _ in plan.keys], owners={n: everyone for n, _, _ in plan.hub},
-                      grids=_grids(plan, views), boxes=views[rank].boxes)
+        grids = _grids(plan, views)
+        return Ownership(dests=[list(everyone) for _ in plan.keys], owners={n: everyone for n, _, _ in plan.hub},
+                         grids=grids, boxes=views[rank].boxes)
     from fsdptk._files.writers import WriterAssignment, writer_ranks
 
     ranks = [0] if owners == 1 else writer_ranks(owners)
@@ -143,7 +144,7 @@ def assign(plan: Plan, views: list[SourceView], owners: int | str, rank: int) ->
     dests = assignment(Holdings(boxes=[v.boxes for v in views], hosts=[v.host for v in views]))
     assert assignment.files is not None, "set by the call"
     owner: dict[str, tuple[int, ...]] = {name: (assignment.files[j],) for j, (name, _, _) in enumerate(plan.hub)}
-    return Layout(dests=[[d] for d in dests], owners=owner, grids={}, boxes=views[rank].boxes)
+    return Ownership(dests=[[d] for d in dests], owners=owner, grids={}, boxes=views[rank].boxes)
 
 
 class _Dtype(NamedTuple):

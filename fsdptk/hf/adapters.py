@@ -81,14 +81,11 @@ def save_adapter(
     from fsdptk._core.dist import is_rank0, run_agreed
     from fsdptk._files.save import write_streamed
     from fsdptk._plans import peft as _peft
+    from fsdptk._plans.hub_items import adapter_items
 
     agree_arguments("save_adapter", adapter_name=adapter_name, bucket_bytes=bucket_bytes)
     path = Path(path)
-    names = run_agreed(lambda: _peft.adapter_file_names(model, adapter_name))  # every rank alike
-    sd = model.state_dict(keep_vars=True)
-    items = [(key, sd[fqn]) for key, fqn in names.items()]
-    out_name = {key: key for key, _ in items}
-    dtypes = {key: t.dtype for key, t in items}
+    items, out_name, dtypes = run_agreed(lambda: adapter_items(model, adapter_name))  # every rank alike
 
     def stage_config() -> StagedConfig | None:
         return stage_files(path, _peft.staged_adapter_config(model, adapter_name)) if is_rank0() else None

@@ -30,9 +30,9 @@ from fsdptk._core.dist import world as _world
 from fsdptk._engine.agree import fingerprint
 from fsdptk._engine.layouts import Box
 from fsdptk._engine.sources.convert import Unconverter
-from fsdptk.hf._weight_layout import Layout, SourceView, assign, check, held, raise_disagreement
+from fsdptk._plans.hub_items import Items, Plan, plan_items
+from fsdptk.hf._weight_layout import Ownership, SourceView, assign, check, held, raise_disagreement
 from fsdptk.hf._weight_meta import ParamMeta, RecordTypes, box_pieces, record_types
-from fsdptk.hf._weight_plan import Items, Plan, plan_items
 
 __all__ = ["weight_source", "HubWeightSource", "ParamMeta"]
 
@@ -47,7 +47,7 @@ class HubWeightSource:
     (every rank iterates each pass to its end) and each pass reads the model's current weights.
     """
 
-    def __init__(self, model: nn.Module, plan: Plan, layout: Layout, bucket_bytes: int, types: RecordTypes,
+    def __init__(self, model: nn.Module, plan: Plan, layout: Ownership, bucket_bytes: int, types: RecordTypes,
                  keep_buffers: bool = False) -> None:
         self._model, self._plan, self._layout = model, plan, layout
         self._bucket_bytes = bucket_bytes

@@ -1,27 +1,158 @@
-"""What a weight source moves, planned from the model alone (no communication): the items the save
-path gathers (:func:`fsdptk._files.save.save_items`, tied tensors once), their conversion to the Hub
-layout (:func:`fsdptk.conversions.quantized_layout`, transformers' rules run backwards, as
-``save_safetensors`` writes, quantized as its ``quantize=`` does), and for PEFT models the adapter
-tensors alone or the LoRA factors to merge into their base weights (:class:`Merge`: PEFT's own
-``merge_and_unload`` arithmetic for ``lora.Linear`` and for ``ParamWrapper`` on fused experts).
+"""The Hub items a model emits, planned from the model alone (no communication, no tensor moves):
+one plan that :func:`fsdptk.save_safetensors`, :func:`fsdptk.hf.save_adapter` and
+:func:`fsdptk.hf.weight_source` each give a destination (files, the adapter file on rank 0, the
+source's owners).
+
+- :func:`save_items`: the model's tensors a save gathers (a tied tensor once, or under every key)
+  and the dtype each is written in;
+- :func:`adapter_items`: one PEFT adapter's tensors under the keys PEFT's ``save_pretrained``
+  writes (``save_adapter``);
+- :func:`resolve_save` / :func:`save_layout` / :func:`quantized_layout`: their conversion to the
+  Hub layout (transformers' rules run backwards), quantized as ``save_safetensors(quantize=...)``
+  writes it (:mod:`fsdptk._plans.quant_save` choosing the tensors);
+- :func:`plan_items`: all of it for a weight source, and for PEFT models the adapter tensors alone
+  or the LoRA factors to merge into their base weights (:class:`Merge`: PEFT's own
+  ``merge_and_unload`` arithmetic for ``lora.Linear`` and for ``ParamWrapper`` on fused experts).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
+from fsdptk._core.names import tie_groups
 from fsdptk._engine.layouts import box_shape, full_box
-from fsdptk._engine.sources.convert import Node
+from fsdptk._engine.sources.convert import ConversionProblem, Node
+from fsdptk.conversions import Conversion, ConversionArg
+from fsdptk.errors import ConversionError
 
-__all__ = ["Items", "Merge", "Plan", "plan_items"]
+__all__ = ["Items", "Merge", "Plan", "SaveLayout", "adapter_items", "plan_items", "quantized_layout",
+           "resolve_save", "save_items", "save_layout"]
 
 Items = list[tuple[str, torch.Tensor]]
 
 
+# ----------------------------------------------------------------------------------------------
+# the model's items and the Hub layout they are written in
+def save_items(model: nn.Module, tied: str, dtype: torch.dtype | None
+               ) -> tuple[Items, dict[str, torch.dtype]]:
+    """(model items to gather, {model key: dtype in the file}); ``tied="omit"``: a tied tensor
+    once, under its canonical key."""
+    if tied not in ("omit", "both"):
+        raise ValueError(f"tied must be 'omit' or 'both', got {tied!r}")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating torch.dtype or None, got {dtype!r}")
+    sd = model.state_dict(keep_vars=True)
+    skip = {k for g in tie_groups(model) for k in g[1:]} if tied == "omit" else set()
+    items = [(k, t) for k, t in sd.items() if k not in skip]
+    dtypes = {k: dtype if (dtype is not None and t.dtype.is_floating_point) else t.dtype
+              for k, t in items}
+    return items, dtypes
+
+
+def adapter_items(model: nn.Module, adapter_name: str) -> tuple[Items, dict[str, str], dict[str, torch.dtype]]:
+    """``save_adapter``'s items: (the adapter's tensors under the keys PEFT's ``save_pretrained``
+    writes, {key: file key}, {key: its own dtype}).
+
+    Raises:
+        TypeError / KeyError / NotImplementedError: :func:`fsdptk._plans.peft.adapter_file_names`'.
+    """
+    from fsdptk._plans import peft as _peft
+
+    names = _peft.adapter_file_names(model, adapter_name)
+    sd = model.state_dict(keep_vars=True)
+    items = [(key, sd[fqn]) for key, fqn in names.items()]
+    out_name = {key: key for key, _ in items}
+    dtypes = {key: t.dtype for key, t in items}
+    return items, out_name, dtypes
+
+
+def resolve_save(model: Any, conversion: ConversionArg, shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+                 ) -> dict[str, Node] | None:
+    """Model key -> node over the checkpoint layout a save writes; ``None``: the model's own keys."""
+    if conversion is None:
+        return None
+    if isinstance(conversion, Conversion):
+        raise TypeError("a save writes the Hub layout of a transformers model (conversion='auto') or the "
+                        "model's own keys (conversion=None, with rename= for other names); a declared "
+                        "Conversion applies to loads")
+    if conversion != "auto":
+        raise TypeError(f"conversion must be 'auto', a fsdptk.conversions.Conversion or None, got {conversion!r}")
+    from fsdptk._plans.hf_convert import hub_save_nodes, is_hf_model
+
+    if not is_hf_model(model):
+        return None
+    try:
+        return hub_save_nodes(model, shapes)
+    except ConversionProblem as e:
+        raise ConversionError(str(e)) from None
+
+
+
+def save_layout(model: Any, conversion: ConversionArg) -> dict[str, Node] | None:
+    """Model key -> node over the checkpoint layout a save of ``model`` writes (every key of
+    ``model.state_dict()``); ``None``: the model's own keys."""
+    shapes = {k: (tuple(t.shape), t.dtype) for k, t in model.state_dict(keep_vars=True).items()}
+    return resolve_save(model, conversion, shapes)
+
+
+class SaveLayout(NamedTuple):
+    """What a save writes (:func:`quantized_layout`): ``nodes`` (model key -> node over the
+    checkpoint layout; ``None``: the model's own keys, unquantized), ``written`` (checkpoint keys
+    written in their own dtype: quantized weights and their scales), ``quantization_config`` (for
+    ``config.json``; ``None``: unquantized)."""
+
+    nodes: dict[str, Node] | None
+    written: dict[str, torch.dtype]
+    quantization_config: dict[str, Any] | None
+
+
+def quantized_layout(model: Any, conversion: ConversionArg, *, quantize: str | None, block_size: Any = (128, 128),
+                     quantize_if: Any = None, dtype: torch.dtype | None = None) -> SaveLayout:
+    """The layout a save of ``model`` writes, quantized as ``quantize`` says (``None``: as
+    :func:`save_layout`): the checkpoint layout (Hub or the model's own), its chosen tensors
+    replaced by the release format's (FP8: ``<w>`` + ``<w>_scale_inv``; MXFP4: ``<w>_blocks`` +
+    ``<w>_scales``), as trees whose inverse quantizes on the writer. ``dtype``: the floating dtype
+    written (what is quantized, and what ``quantize_if`` sees); default the model's.
+
+    Raises:
+        ValueError: a bad ``quantize`` or ``block_size``; ``quantize_if`` chose a tensor the format
+            cannot take; nothing to quantize (``mxfp4`` of a model without gpt-oss experts).
+        TypeError: ``quantize_if`` is not callable, or returned something other than a bool.
+        ConversionError: the quantized layout does not convert back to the model's tensors.
+    """
+    from fsdptk._plans.quant_save import plan_quantized, quant_format
+
+    fmt = quant_format(quantize, block_size, quantize_if)
+    if fmt is None:
+        return SaveLayout(save_layout(model, conversion), {}, None)
+    from fsdptk._engine.sources import TensorMeta
+    from fsdptk._plans.hf_convert import hub_file_metas, hub_save_nodes, quantized_leaves
+
+    shapes = {k: (tuple(t.shape), dtype if dtype is not None and t.dtype.is_floating_point else t.dtype)
+              for k, t in model.state_dict(keep_vars=True).items()}
+    try:
+        trees = resolve_save(model, conversion, shapes)
+        metas = hub_file_metas(model, shapes) if trees is not None else None
+        if metas is None:
+            trees, metas = None, {k: TensorMeta(s, d) for k, (s, d) in shapes.items()}
+        owners = {f: k for k, n in trees.items() for f in n.files()} if trees is not None else {}
+        plan = plan_quantized(model, fmt, metas, owners, quantize_if)
+        if trees is None:
+            nodes = quantized_leaves(model, plan.metas, plan.config)
+        else:
+            nodes = hub_save_nodes(model, shapes, metas=plan.metas, quant=plan.config) or {}
+    except ConversionProblem as e:
+        raise ConversionError(str(e)) from None
+    return SaveLayout(nodes, plan.written, plan.config)
+
+
+# ----------------------------------------------------------------------------------------------
+# a weight source's plan
 @dataclass(frozen=True)
 class Merge:
     """One LoRA layer of the active adapter, merged into its base weight as PEFT's ``merge_and_unload``
@@ -98,15 +229,11 @@ def plan_items(model: nn.Module, *, conversion: Any, dtype: torch.dtype | None, 
             PEFT's ``ParamWrapper`` (LoRA on a parameter, e.g. fused MoE experts), named.
         ConversionError: transformers' save layout does not convert back (as ``save_safetensors``).
     """
-    from fsdptk._files.save import save_items
-
     merges: dict[str, Merge] = {}
     written: dict[str, torch.dtype] = {}
     quantization_config: dict[str, Any] | None = None
     if adapters is None:
-        from fsdptk.conversions import quantized_layout
-
-        items, _, dtypes = save_items(model, "omit", None, dtype)
+        items, dtypes = save_items(model, "omit", dtype)
         layout = quantized_layout(model, conversion, quantize=quantize, block_size=block_size,
                                   quantize_if=quantize_if, dtype=dtype)
         nodes, written, quantization_config = layout.nodes, dict(layout.written), layout.quantization_config
@@ -174,16 +301,14 @@ def _merged(model: nn.Module, conversion: Any, dtype: torch.dtype | None
                        dict[str, Merge]]:
     """``adapters="merged"``: the base weights under the base names (LoRA factors placed just
     before the weight they merge into) and the conversion of the base model's Hub layout."""
-    from fsdptk._files.save import save_items
     from fsdptk._plans import peft as _peft
-    from fsdptk.conversions import resolve_save
 
     adapter = _active_adapter(model)
     found = _peft.base_names(model)
     assert found is not None, "a PEFT model (checked by _active_adapter)"
     base_key, _ = found
     merges = _lora_merges(model, adapter)
-    every, _, dtypes = save_items(model, "omit", None, dtype)
+    every, dtypes = save_items(model, "omit", dtype)
     sd = model.state_dict(keep_vars=True)
     items: Items = []
     for key, t in every:
