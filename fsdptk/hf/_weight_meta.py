@@ -15,14 +15,15 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
 from fsdptk._engine.layouts import Box
 from fsdptk._engine.sources.convert import Concatenated, Leaf, Node, Stacked, Transposed
 
-__all__ = ["ParamMeta", "Shard", "Replicate", "RecordTypes", "VLLM_RECORDS", "record_types", "rank_grid", "box_pieces",
+__all__ = ["ParamMeta", "Shard", "Replicate", "SparseWeightPatch", "RecordTypes", "VLLM_RECORDS", "VLLM_PATCHES",
+           "record_types", "patch_type", "rank_grid", "box_pieces",
            "splittable"]
 
 
@@ -111,6 +112,56 @@ class ParamMeta:
         object.__setattr__(self, "owners", owners)
         object.__setattr__(self, "mesh_shape", mesh_shape)
         object.__setattr__(self, "placements", placements)
+
+
+@dataclass
+class SparseWeightPatch:
+    """Only the changed elements of one Hub tensor, with the fields of vLLM 0.33's
+    ``SparseWeightPatch`` (used where vLLM is not importable; vLLM's own class is used where it is).
+
+    Attributes:
+        name: the Hub checkpoint's name.
+        indices: int32, 1-D, strictly ascending flat indices (C order) into the full tensor.
+        values: 1-D, the new values at ``indices``, in the wire dtype.
+        full_shape: the full tensor's shape.
+
+    Examples:
+        >>> import torch
+        >>> p = SparseWeightPatch("w", torch.tensor([1, 4], dtype=torch.int32), torch.ones(2), (2, 3))
+        >>> full = torch.zeros(p.full_shape); full.view(-1)[p.indices.long()] = p.values; full
+        tensor([[0., 1., 0.],
+                [0., 1., 0.]])
+    """
+
+    name: str
+    indices: torch.Tensor
+    values: torch.Tensor
+    full_shape: tuple[int, ...]
+
+
+VLLM_PATCHES = "vllm.distributed.weight_transfer.sparse_nccl_engine"  # vLLM 0.33's SparseWeightPatch
+
+
+def patch_type(types: RecordTypes) -> type:
+    """The patch record of a source whose records are ``types``: vLLM's ``SparseWeightPatch`` when the
+    records are vLLM's, fsdptk's :class:`SparseWeightPatch` otherwise (imported only here).
+
+    Raises:
+        ImportError: the records are vLLM's but its sparse engine module cannot be imported (naming it).
+
+    Examples:
+        >>> patch_type(RecordTypes(None, ParamMeta, Shard, Replicate, "fsdptk's own")) is SparseWeightPatch
+        True
+    """
+    if types.base is None:
+        return SparseWeightPatch
+    import importlib
+
+    try:
+        return cast(type, importlib.import_module(VLLM_PATCHES).SparseWeightPatch)
+    except Exception as e:  # noqa: BLE001 - named, with the module
+        raise ImportError(f"{types.kind}: vLLM's records import but {VLLM_PATCHES}.SparseWeightPatch does not: "
+                          f"{type(e).__name__}: {e}") from e
 
 
 class RecordTypes(NamedTuple):

@@ -32,9 +32,10 @@ from fsdptk._engine.layouts import Box
 from fsdptk._engine.sources.convert import Unconverter
 from fsdptk._plans.hub_items import Items, Plan, plan_items
 from fsdptk.hf._weight_layout import Ownership, SourceView, assign, check, held, raise_disagreement
-from fsdptk.hf._weight_meta import ParamMeta, RecordTypes, box_pieces, record_types
+from fsdptk.hf._weight_meta import ParamMeta, RecordTypes, SparseWeightPatch, box_pieces, patch_type, record_types
+from fsdptk.hf._weight_patches import Tracker, check_patchable, patch_pass
 
-__all__ = ["weight_source", "HubWeightSource", "ParamMeta"]
+__all__ = ["weight_source", "HubWeightSource", "ParamMeta", "SparseWeightPatch"]
 
 Owners = int | Literal["host", "all"]
 Bucket = list[tuple[str, torch.Tensor]]
@@ -48,11 +49,13 @@ class HubWeightSource:
     """
 
     def __init__(self, model: nn.Module, plan: Plan, layout: Ownership, bucket_bytes: int, types: RecordTypes,
-                 keep_buffers: bool = False) -> None:
+                 keep_buffers: bool = False, tracker: Tracker | None = None, patch_cls: type | None = None) -> None:
         self._model, self._plan, self._layout = model, plan, layout
         self._bucket_bytes = bucket_bytes
         self._types = types
         self._pool = _engine.Pool(cap=0) if keep_buffers else None  # kept between passes
+        self._tracker = tracker  # the baseline (track_changes=True), else None
+        self._patch_cls = patch_cls
 
     # -- metadata -------------------------------------------------------------------------------
     @cached_property
@@ -107,7 +110,61 @@ class HubWeightSource:
     def iter_buckets(self) -> Iterator[Bucket]:
         """Lists of ``(name, tensor)`` of at most ``bucket_bytes`` (a larger tensor alone) on the
         owners, ``[]`` elsewhere; every rank iterates to the end (collective)."""
-        return self._stream(list(range(len(self._plan.keys))), names=None)
+        every = list(range(len(self._plan.keys)))
+        return self._tracked(lambda failed: self._stream(every, names=None, failed=failed))
+
+    def iter_patches(self) -> Iterator[Any]:
+        """Only what changed since the last pass that completed on every rank: on each owner, one
+        ``SparseWeightPatch(name, indices, values, full_shape)`` per owned Hub tensor whose wire bits
+        changed (vLLM's class where vLLM is importable, fsdptk's own otherwise), in metadata order;
+        nothing on the other ranks. ``indices`` are int32, 1-D, strictly ascending flat indices (C
+        order) into the full Hub tensor, ``values`` the new values in the wire dtype. Needs
+        ``weight_source(..., track_changes=True)`` (see there for the baseline, abandoned passes
+        and memory).
+
+        Collective: every rank drives it to its end, as every pass. Checked on every rank before
+        anything is yielded: a source made without ``track_changes=True``, no completed pass yet,
+        a changed element that is NaN now (it would read as "unchanged" at vLLM's receiver) or a
+        changed integer tensor (each tensor named, with the count).
+
+        Raises:
+            ValueError: as above, on every rank.
+        """
+        tracker = self._tracker
+        if tracker is None:
+            raise ValueError("iter_patches needs a source made with weight_source(..., track_changes=True): this "
+                             "one keeps no baseline to compare against (track_changes=False)")
+        if not tracker.valid:
+            raise ValueError("iter_patches: no baseline: run iter_full first (no pass of this source has completed "
+                             "on every rank yet, so nothing says what the engine holds)")
+        assert self._patch_cls is not None, "set with the tracker"
+        patch_cls = self._patch_cls
+        return patch_pass(tracker, self._items, lambda keep, names: self._stream(keep, names, patching=True),
+                          lambda name, idx, vals, shape: patch_cls(name, idx, vals, shape), self._bucket_bytes)
+
+    def _tracked(self, make: Callable[[BaseException | None], Iterator[Any]]) -> Iterator[Any]:
+        """A full pass (``make(failed)``, ``failed`` this rank's error so far): with
+        ``track_changes``, every piece this rank keeps is compared and updated first, and the pass
+        becomes the baseline once it completes on every rank."""
+        tracker = self._tracker
+        if tracker is None:
+            return make(None)
+        return self._tracked_pass(tracker, make)
+
+    def _tracked_pass(self, tracker: Tracker, make: Callable[[BaseException | None], Iterator[Any]]
+                      ) -> Iterator[Any]:
+        tracker.begin()
+        failed: BaseException | None = None
+        try:
+            tracker.diff(self._items(), patch=False)
+        except Exception as e:  # noqa: BLE001 - agreed by the pass's first exchange
+            failed = e
+        completed = False
+        try:
+            yield from make(failed)
+            completed = True
+        finally:
+            tracker.finish(completed)
 
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Each Hub tensor this rank owns as its piece, as its record's placements say, in metadata
@@ -118,14 +175,14 @@ class HubWeightSource:
         """
         if not self._layout.grids:
             return self.iter_full()
-        return self._iter_pieces()
+        return self._tracked(self._iter_pieces)
 
-    def _iter_pieces(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def _iter_pieces(self, failed: BaseException | None) -> Iterator[tuple[str, torch.Tensor]]:
         plan, grids = self._plan, self._layout.grids
         pending: list[tuple[int, str, str, torch.Tensor]] = []
-        failed: BaseException | None = None
         try:
-            pending = self._local_pieces()
+            if failed is None:
+                pending = self._local_pieces()
         except Exception as e:  # noqa: BLE001 - agreed by collect's exchange
             failed = e
         gathered = {n for n, _, _ in plan.hub if n not in grids}
@@ -186,11 +243,14 @@ class HubWeightSource:
             out.append((key, t))
         return out
 
-    def _stream(self, keep: list[int], names: set[str] | None, failed: BaseException | None = None
-                ) -> Iterator[Bucket]:
+    def _stream(self, keep: list[int], names: set[str] | None, failed: BaseException | None = None,
+                patching: bool = False) -> Iterator[Bucket]:
         """Gather items ``keep`` to their owners (each to every one of its ranks), bucket by bucket,
         and turn each into its Hub tensors (``names``: only those; ``None``: all). ``failed``: this
-        rank's error so far, raised on every rank by collect's first exchange."""
+        rank's error so far, raised on every rank by collect's first exchange. With a baseline, the
+        gathered Hub tensors (compared on their owners) update it as they arrive, unless
+        ``patching`` (the patch pass compares them itself)."""
+        tracker = None if patching else self._tracker
         plan, layout = self._plan, self._layout
         items: Items = []
         dests: list[int] = []
@@ -215,6 +275,10 @@ class HubWeightSource:
                 out: Bucket = []
                 try:
                     out = [(n, t) for n, t in hub.feed(bucket) if names is None or n in names]
+                    if tracker is not None:
+                        for n, t in out:
+                            if n in tracker.gathered:
+                                tracker.compare_full(n, t, False)
                 except Exception as e:  # noqa: BLE001 - agreed by the engine
                     buckets.throw(e)
                 del bucket
@@ -328,6 +392,7 @@ def weight_source(
     block_size: tuple[int, int] | None = (128, 128),
     quantize_if: Callable[[str, torch.Tensor], bool] | None = None,
     keep_buffers: bool = False,
+    track_changes: bool = False,
 ) -> HubWeightSource:
     """The model's weights as vLLM 0.33's ``WeightSource``, in the Hub checkpoint's names and shapes.
 
@@ -476,7 +541,7 @@ def weight_source(
     world, rank = _world()
     arguments = arguments_view("weight_source", conversion=conversion, dtype=dtype, owners=owners,
                                bucket_bytes=bucket_bytes, adapters=adapters, quantize=quantize,
-                               block_size=block_size, quantize_if=quantize_if)
+                               block_size=block_size, quantize_if=quantize_if, track_changes=track_changes)
     error: BaseException | None = None
     plan: Plan | None = None
     boxes: list[Box | None] = []
@@ -484,15 +549,25 @@ def weight_source(
     meshes: list[tuple[int, ...] | None] = []
     nbytes = 0
     types: RecordTypes | None = None
+    patch_cls: type | None = None
     try:
         if not isinstance(keep_buffers, bool):
             raise TypeError(f"keep_buffers must be a bool, got {keep_buffers!r}")
+        if not isinstance(track_changes, bool):
+            raise TypeError(f"track_changes must be a bool, got {track_changes!r}")
+        if track_changes and quantize is not None:
+            raise ValueError(f"track_changes=True with quantize={quantize!r}: a quantized release's scales move "
+                             "with every value, so patches of it are not supported; stream it with iter_full, "
+                             "or track an unquantized source")
         types = record_types()  # what this rank can import of vLLM: agreed in the exchange below
         nbytes = check(model, conversion, dtype, owners, bucket_bytes, adapters, quantize, block_size, quantize_if,
                        world)
         plan, items = plan_items(model, conversion=conversion, dtype=dtype, adapters=adapters, quantize=quantize,
                                  block_size=block_size, quantize_if=quantize_if)
         boxes, plain, meshes = held(items, world)
+        if track_changes:
+            check_patchable(plan)
+            patch_cls = patch_type(types)
     except Exception as e:  # noqa: BLE001 - raised on every rank after the exchange
         error = e
     fp = fingerprint([*((k, s) for k, s in zip(plan.keys, plan.shapes)), *plan.hub]) if plan is not None else None
@@ -503,9 +578,11 @@ def weight_source(
     raise_disagreement(views)
     assert plan is not None and types is not None, "planned on every rank (agreed just above)"
     layout = assign(plan, views, owners, rank)
+    tracker = Tracker(plan, [v.boxes for v in views], [v.plain for v in views], [v.host for v in views],
+                      layout.owners, layout.dests, rank) if track_changes else None
     if types.base is None:
-        return HubWeightSource(model, plan, layout, nbytes, types, keep_buffers)
+        return HubWeightSource(model, plan, layout, nbytes, types, keep_buffers, tracker, patch_cls)
     # an instance of vLLM's WeightSource (its __init_subclass__ checks the cached metadata)
     cls = type("HubWeightSource", (HubWeightSource, types.base),
                {"__module__": __name__, "metadata": HubWeightSource.__dict__["metadata"]})
-    return cast(HubWeightSource, cls(model, plan, layout, nbytes, types, keep_buffers))
+    return cast(HubWeightSource, cls(model, plan, layout, nbytes, types, keep_buffers, tracker, patch_cls))

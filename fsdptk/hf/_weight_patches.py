@@ -1,0 +1,497 @@
+"""Only what changed: :meth:`fsdptk.hf.HubWeightSource.iter_patches` and the baseline it compares
+against (``weight_source(..., track_changes=True)``).
+
+The baseline is kept where the weights are. Each rank that sends a box of a model tensor to its
+owner in a gather (one holder per distinct box: :func:`fsdptk._engine.choose_senders`) keeps its
+pieces of the Hub tensors in that box, cast to the wire dtype: what the engine last received. A
+patch pass compares each such piece with the current weights cast the same way, bit for bit, maps
+the changed positions to flat indices of the whole Hub tensor (the conversion's nodes say where a
+box of a model tensor lands in each Hub tensor: :func:`fsdptk.hf._weight_meta.box_pieces`), and
+sends the owner only those indices (int32) and values. The owner merges the pieces of a name into
+one ascending patch.
+
+Tensors that no holder can cut into Hub pieces on its own (a LoRA layer merged into its base
+weight, a conversion that is not a rename, stack, concatenation or transposition, NF4) are
+"gathered": the owner gets them whole through the full pass's gather and compares them with its
+own baseline of the whole Hub tensor (it owns that name).
+
+Abandoned passes. The engine applies any prefix of a pass (vLLM's receiver has no rollback), so a
+pass changes the baseline in place (every holder already has the pass's values), and the positions
+that pass could have changed at the engine (those it sent, or, for a full pass, those whose bits
+differed from the old baseline) are remembered as ``uncertain`` until a pass completes on every
+rank: the next patch pass sends them whatever their bits. Completing a pass forgets them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple, cast
+
+import torch
+
+from fsdptk._core.compat import local_tensor
+from fsdptk._core.dist import all_gather_object, comm_device, comm_errors, error_payload, raise_lowest
+from fsdptk._engine.agree import Status
+from fsdptk._engine.layouts import Box, box_shape
+from fsdptk._engine.routes import Holdings, choose_senders
+from fsdptk._engine.wire import InFlight, Post, aligned, pack, unpack
+from fsdptk._plans.hub_items import Items, Plan
+from fsdptk.hf._weight_meta import box_pieces, splittable
+
+__all__ = ["Tracker", "PatchCounts", "MAX_PATCHABLE", "patch_bytes", "hub_flat", "merge_parts"]
+
+MAX_PATCHABLE = 2**31  # int32 flat indices: a Hub tensor must have fewer elements
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class PatchCounts(NamedTuple):
+    """What each rank sends in a patch pass's one exchange, before anything moves."""
+
+    error: Any  # error_payload of its failure so far (a NaN, a changed shape), or None
+    counts: dict[str, int]  # Hub name -> the number of elements this rank sends for it (> 0 only)
+
+
+class Part(NamedTuple):
+    """One holder's piece of one Hub tensor, as every rank derives it from the agreed boxes."""
+
+    sender: int  # the rank that keeps its baseline and sends its changes
+    item: int  # the model tensor (index in the plan's keys) it is cut from
+    box: Box  # its box in the Hub tensor
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as integers of the same size (compared bit for bit: NaN == NaN, -0 != +0)."""
+    if t.dtype == torch.bool:
+        return t.view(torch.uint8)
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def hub_flat(local: torch.Tensor, box: Box, shape: tuple[int, ...]) -> torch.Tensor:
+    """Flat C-order indices (int64) into a tensor of ``shape`` of the positions ``local`` (flat
+    C-order indices into the piece at ``box``).
+
+    Examples:
+        >>> import torch
+        >>> hub_flat(torch.tensor([0, 3]), (slice(1, 3), (0, 2)), (4, 3)).tolist()  # rows 1-2, cols 0, 2
+        [3, 8]
+    """
+    sizes = box_shape(box)
+    if not sizes:
+        return local.to(torch.int64)
+    out = torch.zeros_like(local, dtype=torch.int64)
+    rest = local.to(torch.int64)
+    stride = 1
+    for d in range(len(sizes) - 1, -1, -1):
+        coord = rest % sizes[d] if d else rest
+        rest = rest // sizes[d]
+        b = box[d]
+        hub = coord + b.start if isinstance(b, slice) else torch.tensor(b, dtype=torch.int64)[coord]
+        out += hub * stride
+        stride *= shape[d]
+    return out
+
+
+def merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One name's ``(indices, values)`` from its holders' parts: strictly ascending int32 indices,
+    contiguous, and their values (the parts are disjoint)."""
+    if len(parts) == 1:
+        idx, vals = parts[0]
+    else:
+        idx, vals = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        order = torch.argsort(idx)
+        idx, vals = idx[order], vals[order]
+    return idx.to(torch.int32).contiguous(), vals.contiguous()
+
+
+def patch_bytes(count: int, dtype: torch.dtype) -> int:
+    """Bytes of one piece's changes in a message: its int32 indices, then its values."""
+    return aligned(4 * count) + aligned(count * dtype.itemsize)
+
+
+@dataclass
+class _Diff:
+    """One piece's comparison: the positions to send (local flat indices, ascending)."""
+
+    sel: torch.Tensor
+    nan: int  # how many of them are NaN now
+    integer: bool  # the piece is not floating (cannot be patched: NaN is the "unchanged" sentinel)
+
+
+class Tracker:
+    """One source's baseline on this rank, and the agreed plan of who compares what.
+
+    Built from what every rank agreed (the plan, each rank's boxes, the owners), so every rank
+    derives the same parts and the same gathered names without communication.
+    """
+
+    def __init__(self, plan: Plan, boxes: list[list[Box | None]], plain: list[list[bool]], hosts: list[str],
+                 owners: dict[str, tuple[int, ...]], dests: list[list[int]], rank: int) -> None:
+        self.plan, self.rank, self.owners = plan, rank, owners
+        self.own_boxes = boxes[rank]
+        covering: dict[str, list[int]] = {}
+        for i, k in enumerate(plan.keys):
+            for name in plan.item_hub[k]:
+                covering.setdefault(name, []).append(i)
+        local_items: set[int] = set()
+        for i, k in enumerate(plan.keys):
+            node = plan.nodes.get(plan.conv_key[k]) if plan.nodes is not None else None
+            if (k in plan.merges or k in plan.lora or any(name in plan.written for name in plan.item_hub[k])
+                    or not all(p[i] for p in plain) or (node is not None and not splittable(node))
+                    or any(len(covering[name]) != 1 for name in plan.item_hub[k])):
+                continue
+            local_items.add(i)
+        self.gathered: set[str] = {name for name, _, _ in plan.hub
+                                   if not any(i in local_items for i in covering.get(name, []))}
+        sends = choose_senders(Holdings(boxes=boxes, hosts=hosts), [d[0] for d in dests])
+        shapes = {name: shape for name, _, shape in plan.hub}
+        self.parts: dict[str, list[Part]] = {}
+        for i in sorted(local_items):
+            k = plan.keys[i]
+            node = plan.nodes.get(plan.conv_key[k]) if plan.nodes is not None else None
+            for r, row in enumerate(sends):
+                box = row[i]
+                if box is None or 0 in box_shape(box):
+                    continue
+                leaves = node.leaves(box) if node is not None else [(plan.conv_key[k], box)]
+                for name, hub_box in leaves:
+                    if name in shapes and 0 not in box_shape(hub_box):
+                        self.parts.setdefault(name, []).append(Part(r, i, hub_box))
+        self.mine = {name: [p for p in ps if p.sender == rank] for name, ps in self.parts.items()}
+        self.mine = {name: ps for name, ps in self.mine.items() if ps}
+        self.base: dict[tuple[str, int], torch.Tensor] = {}  # (Hub name, item) -> this rank's piece
+        self.full: dict[str, torch.Tensor] = {}  # gathered Hub name this rank owns -> the whole tensor
+        self.uncertain: dict[tuple[str, int] | str, torch.Tensor] = {}  # key -> local flat indices
+        self.valid = False  # a pass completed on every rank since the source was made
+        self.pending: dict[tuple[str, int] | str, torch.Tensor] = {}  # this pass's positions sent / changed
+
+    def begin(self) -> None:
+        """A pass starts: nothing of it recorded yet."""
+        self.pending = {}
+
+    # -- this rank's pieces ----------------------------------------------------------------------
+    def _views(self, items: Items) -> Iterator[tuple[tuple[str, int], torch.Tensor]]:
+        """``((Hub name, item), view)`` of each piece this rank keeps, in the wire dtype (views
+        of its shards where no cast is needed)."""
+        plan = self.plan
+        wanted: dict[int, set[str]] = {}
+        for name, ps in self.mine.items():
+            for p in ps:
+                wanted.setdefault(p.item, set()).add(name)
+        for i in sorted(wanted):
+            key, t = items[i]
+            local = local_tensor(t).detach()
+            node = plan.nodes.get(plan.conv_key[key]) if plan.nodes is not None else None
+            own_box = self.own_boxes[i]
+            assert own_box is not None, "a sender holds its box"
+            pieces = box_pieces(node, own_box, local) if node is not None else [(plan.conv_key[key], own_box, local)]
+            for name, _, piece in pieces:
+                if name in wanted[i]:
+                    yield (name, i), piece.to(plan.dtypes[key])
+
+    def diff(self, items: Items, *, patch: bool) -> dict[tuple[str, int], _Diff]:
+        """Compare every piece this rank keeps with the current weights, update the baseline in
+        place and return what each piece sends (``patch``: the pass sends patches, so NaNs and
+        integer tensors are counted; a full pass only records the positions it may change)."""
+        out: dict[tuple[str, int], _Diff] = {}
+        for key, view in self._views(items):
+            out[key] = self._compare(key, view, patch)
+        return out
+
+    def _compare(self, key: tuple[str, int] | str, new: torch.Tensor, patch: bool) -> _Diff:
+        d = self._compare_only(key, new, patch)
+        if d.sel.numel():
+            self.pending[key] = d.sel
+        return d
+
+    def _compare_only(self, key: tuple[str, int] | str, new: torch.Tensor, patch: bool) -> _Diff:
+        base = self.base.get(key) if isinstance(key, tuple) else self.full.get(key)
+        floating = new.dtype.is_floating_point
+        if base is None:  # the first pass: everything is new
+            base = torch.empty(new.shape, dtype=new.dtype)
+            base.copy_(new)
+            if isinstance(key, tuple):
+                self.base[key] = base
+            else:
+                self.full[key] = base
+            return _Diff(torch.empty(0, dtype=torch.int64), 0, not floating)  # no baseline yet: nothing to send
+        ne = (_bits(new.contiguous()) != _bits(base)).view(-1)
+        uncertain = self.uncertain.get(key)
+        changed = ne.nonzero().squeeze(1)
+        if uncertain is not None:
+            ne[uncertain] = True
+            sel = ne.nonzero().squeeze(1)
+        else:
+            sel = changed
+        del ne
+        if changed.numel():
+            if changed.numel() * 8 > base.numel():
+                base.copy_(new)
+            else:
+                base.view(-1)[changed] = new.reshape(-1)[changed]
+        nan = 0
+        if patch and sel.numel() and floating:
+            nan = int(torch.isnan(base.view(-1)[sel]).sum())
+        return _Diff(sel, nan, not floating)
+
+    def values(self, key: tuple[str, int] | str, sel: torch.Tensor) -> torch.Tensor:
+        """The baseline's (now current) values at ``sel``."""
+        base = self.base[key] if isinstance(key, tuple) else self.full[key]
+        return base.view(-1)[sel]
+
+    def compare_full(self, name: str, t: torch.Tensor, patch: bool) -> _Diff:
+        """A gathered Hub tensor this rank owns, whole: compared with (and kept as) its baseline."""
+        return self._compare(name, t, patch)
+
+    def finish(self, completed: bool) -> None:
+        """After a pass: ``completed`` on every rank: the engine holds the baseline, nothing is
+        uncertain any more; else the positions the pass may have changed stay uncertain."""
+        sent, self.pending = self.pending, {}
+        if completed:
+            self.valid = True
+            self.uncertain.clear()
+            return
+        if not self.valid:  # no baseline yet: the next completed pass sends everything anyway
+            return
+        for key, sel in sent.items():
+            if sel.numel():
+                old = self.uncertain.get(key)
+                self.uncertain[key] = sel if old is None else torch.unique(torch.cat([old, sel]))
+
+    def box_of(self, name: str, item: int) -> Box:
+        """This rank's part's box of ``name`` (cut from ``item``) in the Hub tensor."""
+        return next(p.box for p in self.mine[name] if p.item == item)
+
+
+def check_patchable(plan: Plan) -> None:
+    """Refuse a Hub tensor of ``2**31`` or more elements (int32 indices), naming it."""
+    for name, _, shape in plan.hub:
+        n = math.prod(shape)
+        if n >= MAX_PATCHABLE:
+            raise ValueError(f"weight_source(track_changes=True): the Hub tensor {name!r} has {n} elements "
+                             f"(shape {tuple(shape)}), and patches address it with int32 flat indices "
+                             f"(fewer than 2**31 elements); stream it with iter_full instead")
+
+
+# ----------------------------------------------------------------------------------------------
+# the patch pass
+Stream = Callable[[list[int], set[str]], Iterator[list[tuple[str, torch.Tensor]]]]
+
+
+def patch_pass(tracker: Tracker, items: Callable[[], Items], stream: Stream, make_patch: Callable[..., Any],
+               bucket_bytes: int) -> Iterator[Any]:
+    """One pass of :meth:`fsdptk.hf.HubWeightSource.iter_patches` (collective; see there).
+
+    Args:
+        tracker: the source's baseline and plan.
+        items: the model's current ``(key, tensor)`` items.
+        stream: ``(items to gather, Hub names)`` -> the full pass's buckets of those names (the
+            gathered names, compared on their owners).
+        make_patch: ``(name, indices, values, full_shape)`` -> the record (vLLM's ``SparseWeightPatch``
+            or fsdptk's).
+        bucket_bytes: patch bytes per bucket (indices and values of every holder's pieces).
+    """
+    tracker.begin()
+    completed = False
+    try:
+        yield from _patches(tracker, items, stream, make_patch, bucket_bytes)
+        completed = True
+    finally:
+        tracker.finish(completed)
+
+
+def _patches(tracker: Tracker, items: Callable[[], Items], stream: Stream, make_patch: Callable[..., Any],
+             bucket_bytes: int) -> Iterator[Any]:
+    plan = tracker.plan
+    error: BaseException | None = None
+    diffs: dict[tuple[str, int], _Diff] = {}
+    try:
+        diffs = tracker.diff(items(), patch=True)
+        _refuse_unpatchable(diffs)
+    except Exception as e:  # noqa: BLE001 - agreed just below, on every rank
+        error = e
+    counts: dict[str, int] = {}
+    for (name, _), d in diffs.items():
+        if d.sel.numel():
+            counts[name] = counts.get(name, 0) + int(d.sel.numel())
+    views: list[PatchCounts] = all_gather_object(PatchCounts(error=error_payload(error), counts=counts))
+    raise_lowest([v.error for v in views], error)
+    status = Status("weight_source.iter_patches")
+    try:
+        for kind, names in _segments(plan, tracker, views):
+            if kind == "gathered":
+                status.agree()  # a boundary every rank passes before the gathered names' own gather
+                yield from _gathered(tracker, names, stream, make_patch)
+            else:
+                for bucket in _buckets(names, views, tracker, bucket_bytes):
+                    yield from _local_bucket(tracker, bucket, views, diffs, make_patch, status)
+        status.agree()
+    finally:
+        status.waiter.close()
+
+
+def _refuse_unpatchable(diffs: dict[tuple[str, int], _Diff]) -> None:
+    """NaN values or integer tensors among the positions to send: one error naming each tensor."""
+    nans: dict[str, int] = {}
+    integers: list[str] = []
+    for (name, _), d in diffs.items():
+        if d.nan:
+            nans[name] = nans.get(name, 0) + d.nan
+        if d.integer and d.sel.numel() and name not in integers:
+            integers.append(name)
+    problems = [f"{name!r}: {n} changed element{'s' if n > 1 else ''} NaN now" for name, n in nans.items()]
+    problems += [f"{name!r}: an integer tensor changed (a patch needs a floating dtype)" for name in integers]
+    if problems:
+        raise ValueError("weight_source.iter_patches: cannot patch what vLLM's receiver reads as 'unchanged' "
+                         "(NaN marks an unchanged element there) or cannot mark: " + "; ".join(problems)
+                         + "; fix the weights, or resync with iter_full")
+
+
+def _segments(plan: Plan, tracker: Tracker, views: list[PatchCounts]) -> list[tuple[str, list[str]]]:
+    """The Hub names to patch in metadata order, as runs of local names (with changes somewhere)
+    and runs of gathered names."""
+    total: dict[str, int] = {}
+    for v in views:
+        for name, n in v.counts.items():
+            total[name] = total.get(name, 0) + n
+    out: list[tuple[str, list[str]]] = []
+    for name, _, _ in plan.hub:
+        kind = "gathered" if name in tracker.gathered else "local"
+        if kind == "local" and not total.get(name):
+            continue
+        if not out or out[-1][0] != kind:
+            out.append((kind, []))
+        out[-1][1].append(name)
+    return out
+
+
+def _buckets(names: list[str], views: list[PatchCounts], tracker: Tracker, bucket_bytes: int) -> list[list[str]]:
+    """Consecutive names of at most ``bucket_bytes`` of patches (a larger one alone)."""
+    dtypes = {name: dtype for name, dtype, _ in tracker.plan.hub}
+    out: list[list[str]] = []
+    size = 0
+    for name in names:
+        n = sum(patch_bytes(v.counts.get(name, 0), dtypes[name]) for v in views)
+        if not out or (out[-1] and size + n > bucket_bytes):
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += n
+    return out
+
+
+def _local_bucket(tracker: Tracker, names: list[str], views: list[PatchCounts],
+                  diffs: dict[tuple[str, int], _Diff], make_patch: Callable[..., Any], status: Status) -> Iterator[Any]:
+    """One bucket of names compared on their holders: every holder's changes to every owner (one
+    batch, receives first), then the owner's patches, in metadata order."""
+    plan, rank = tracker.plan, tracker.rank
+    shapes = {name: shape for name, _, shape in plan.hub}
+    dtypes = {name: dtype for name, dtype, _ in plan.hub}
+    device = comm_device() if len(views) > 1 else torch.device("cpu")
+    parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    posts: list[Post] = []
+    recvs: list[tuple[int, list[str], torch.Tensor]] = []
+    if status.error is None:
+        try:
+            mine: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            for name in names:
+                for p in tracker.mine.get(name, []):
+                    d = diffs.get((name, p.item))
+                    if d is not None and d.sel.numel():
+                        idx = hub_flat(d.sel, p.box, shapes[name]).to(torch.int32)
+                        mine[name] = (idx, tracker.values((name, p.item), d.sel))
+            for peer in range(len(views)):
+                if peer == rank:
+                    continue
+                out = [n for n in names if n in mine and peer in tracker.owners[n]]
+                if out:
+                    buf = torch.empty(sum(patch_bytes(views[rank].counts[n], dtypes[n]) for n in out),
+                                      dtype=torch.uint8, device=device)
+                    off = 0
+                    for n in out:
+                        off = pack(buf, off, mine[n][0])
+                        off = pack(buf, off, mine[n][1])
+                    posts.append(Post(False, peer, buf))
+                inc = [n for n in names if views[peer].counts.get(n) and rank in tracker.owners[n]]
+                if inc:
+                    buf = torch.empty(sum(patch_bytes(views[peer].counts[n], dtypes[n]) for n in inc),
+                                      dtype=torch.uint8, device=device)
+                    posts.append(Post(True, peer, buf))
+                    recvs.append((peer, inc, buf))
+            for n, part in mine.items():
+                if rank in tracker.owners[n]:
+                    parts.setdefault(n, []).append(part)
+        except Exception as e:  # noqa: BLE001 - agreed just below
+            status.fail(e, "preparing a bucket of patches")
+    status.agree()
+    flight = InFlight(status.waiter)
+    try:
+        with comm_errors(status.what):
+            refused = flight.post_all(posts)
+            flight.wait()
+    finally:
+        flight.drain_quietly()
+    status.fail_post(refused)
+    patches: list[Any] = []
+    try:
+        for peer, inc, buf in recvs:
+            off = 0
+            for n in inc:
+                c = views[peer].counts[n]
+                idx, off = unpack(buf, off, (c,), torch.int32, torch.device("cpu"))
+                vals, off = unpack(buf, off, (c,), dtypes[n], torch.device("cpu"))
+                parts.setdefault(n, []).append((idx, vals))
+        posts.clear()
+        for n in names:
+            if n in parts:
+                idx, vals = merge_parts(parts.pop(n))
+                patches.append(make_patch(n, idx, vals, tuple(shapes[n])))
+    except Exception as e:  # noqa: BLE001 - agreed at the next agreement
+        status.fail(e, "assembling patches")
+    if status.error is not None:
+        return  # raised at the next agreement, on every rank
+    while patches:
+        patch = patches.pop(0)
+        try:
+            yield patch
+        except GeneratorExit:  # the consumer left: still the next agreement, then out
+            status.abandon()
+            raise
+        except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed at the next agreement
+            status.fail(e, "the caller's code failed")
+            return
+        del patch
+
+
+def _gathered(tracker: Tracker, names: list[str], stream: Stream, make_patch: Callable[..., Any]) -> Iterator[Any]:
+    """A run of gathered names: whole to their owners by the full pass's gather, compared there."""
+    plan = tracker.plan
+    wanted = set(names)
+    keep = [i for i, k in enumerate(plan.keys) if wanted & set(plan.item_hub[k])]
+    shapes = {name: shape for name, _, shape in plan.hub}
+    gen = cast(Generator[list[tuple[str, torch.Tensor]], None, None], stream(keep, wanted))
+    try:
+        for bucket in gen:
+            patches: list[Any] = []
+            try:
+                for name, t in bucket:
+                    d = tracker.compare_full(name, t, True)
+                    _refuse_unpatchable({(name, -1): d})
+                    if d.sel.numel():
+                        patches.append(make_patch(name, d.sel.to(torch.int32), t.reshape(-1)[d.sel].clone(),
+                                                  tuple(shapes[name])))
+            except Exception as e:  # noqa: BLE001 - agreed by the gather
+                gen.throw(e)
+            del bucket
+            while patches:
+                patch = patches.pop(0)
+                try:
+                    yield patch
+                except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the gather
+                    gen.throw(e)
+                del patch
+    except GeneratorExit:  # the consumer left: the gather's next agreement names this rank
+        gen.close()
+        raise
