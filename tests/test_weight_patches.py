@@ -182,3 +182,248 @@ def test_patches_bring_the_engine_to_save_pretrained_exactly(world, hub, tmp_pat
     results = world(n).run(_sync, str(hub(family)), family, dims_kw, owners, 1e-4, steps, str(tmp_path),
                            timeout=240)
     _check(results, tmp_path, steps)
+
+
+# ----------------------------------------------------------------------------------------------
+# abandoned passes: the engine applied any prefix; the next patch pass makes it exact
+def _holds(p, index: tuple[int, ...]) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """This rank's local tensor of ``p`` and ``index`` in it, when it holds that element."""
+    from torch.distributed.tensor import DTensor
+
+    from fsdptk._engine.layouts import dtensor_box
+
+    if not isinstance(p, DTensor):
+        return p.data, index
+    box = dtensor_box(p)
+    local = []
+    for b, i in zip(box, index):
+        positions = list(range(b.start, b.stop)) if isinstance(b, slice) else list(b)
+        if i not in positions:
+            return None
+        local.append(positions.index(i))
+    return p.to_local(), tuple(local)
+
+
+def _abandon(src: str, family: str, dims_kw: dict, owners, out: str) -> dict:
+    """Seed; change one element by hand; a patch pass the leaver abandons after applying its first
+    patch; the element changed back by hand, a step; a complete patch pass (checkpoint ``a``);
+    a step; a full pass the leaver abandons after applying its first two tensors; a step; a
+    complete patch pass (checkpoint ``b``). Every rank applies what it was handed."""
+    from fsdptk import ParallelDims
+    from fsdptk.hf import from_pretrained, weight_source
+
+    rank = dist.get_rank()
+    model = from_pretrained(src, dims=ParallelDims(**dims_kw))
+    source = weight_source(model, owners=owners, dtype=torch.bfloat16, track_changes=True)
+    first = source.metadata[0]
+    leaver = first.owners[0]
+    engine = {n: t.clone() for n, t in source.iter_full()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    embed = model.get_input_embeddings().weight
+    held = _holds(embed, (5, 3))
+    old = None
+    last = source.metadata[-1]  # changed by hand too: handed out after the leaver left, so never applied
+    assert last.owners == first.owners, "the leaver owns the last name too"
+    tail = _holds(dict(model.named_parameters())[last.name], (0,) * len(last.shape))
+    with torch.no_grad():
+        if held is not None:
+            old = held[0][held[1]].clone()
+            held[0][held[1]] += 1.0
+        if tail is not None:
+            tail[0][tail[1]] += 1.0  # an Adam step of 1e-4 leaves its bf16 bits as they are
+    errors = []
+
+    def drain(it, stop_after: int | None, apply) -> None:
+        try:
+            for i, item in enumerate(it):
+                apply(item)
+                if rank == leaver and stop_after is not None and i + 1 == stop_after:
+                    break
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    def apply_patch(p) -> None:
+        engine[p.name].view(-1).index_copy_(0, p.indices.long(), p.values)
+
+    def apply_full(pair) -> None:
+        engine[pair[0]].copy_(pair[1])
+
+    drain(source.iter_patches(), 1, apply_patch)  # the leaver applied the first by-hand change, then left
+    if held is not None:
+        with torch.no_grad():
+            held[0][held[1]] = old  # changed back: in no plain diff against the old baseline
+    _step(model, opt, 1)
+    drain(source.iter_patches(), None, apply_patch)
+    _save_full(model, family, Path(out) / "a")
+    after_a = {n: t.clone() for n, t in engine.items()}
+    _step(model, opt, 2)
+    drain(source.iter_full(), 2, apply_full)
+    _step(model, opt, 3)
+    drain(source.iter_patches(), None, apply_patch)
+    _save_full(model, family, Path(out) / "b")
+    return {"a": after_a, "b": engine, "errors": errors, "leaver": leaver, "first": first.name}
+
+
+@pytest.mark.parametrize(("family", "mesh", "owners"), [("llama", "fsdp4", 1), ("qwen3_moe", "ep", 1)],
+                         ids=["llama-fsdp4-owners1", "qwen3_moe-ep-owners1"])
+def test_an_abandoned_pass_whose_prefix_the_engine_applied_is_made_exact(world, hub, tmp_path, family, mesh,
+                                                                           owners) -> None:
+    n, dims_kw = MESHES[mesh]
+    results = world(n).run(_abandon, str(hub(family)), family, dims_kw, owners, str(tmp_path), timeout=240)
+    leaver = results[0]["leaver"]
+    for r, res in enumerate(results):  # the leaver left quietly twice; every other rank raised twice, naming it
+        if r == leaver:
+            assert res["errors"] == [], res["errors"]
+        else:
+            assert len(res["errors"]) == 2 and all(f"rank {leaver} stopped" in e for e in res["errors"]), res["errors"]
+    for tag in ("a", "b"):
+        want = {k: t.to(torch.bfloat16) for k, t in _tensors(tmp_path / tag).items()}
+        got: dict[str, torch.Tensor] = {}
+        for res in results:
+            got.update(res[tag])
+        assert set(got) == set(want)
+        bad = [k for k in want if not torch.equal(_bits(got[k]), _bits(want[k]))]
+        assert not bad, f"{tag}: the engine differs at {bad[:5]}"
+
+
+# ----------------------------------------------------------------------------------------------
+# merged LoRA adapters: compared on their owners (the merge needs the whole factors)
+_LORA = {"llama": {"target_modules": ["q_proj", "v_proj"]},
+         "qwen3_moe": {"target_modules": ["q_proj"], "target_parameters": ["mlp.experts.gate_up_proj",
+                                                                          "mlp.experts.down_proj"]}}
+
+
+def _peft_model(src: str, family: str):
+    import peft
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(src)
+    torch.manual_seed(1)
+    return peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, **_LORA[family]))
+
+
+def _lora_sync(src: str, family: str, dims_kw: dict, owners, out: str) -> dict:
+    """A PEFT LoRA model sharded (FSDP, or EP then FSDP), streamed merged: seeded by iter_full, then
+    patched after each AdamW step of the adapters; rank 0 saves PEFT's own
+    ``merge_and_unload().save_pretrained`` of the stepped adapters (torch's full state dict loaded
+    into an unsharded copy) under ``out/step{k}``."""
+    import copy
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from fsdptk import ParallelDims, shard_model
+    from fsdptk.hf import no_split_modules, weight_source
+
+    model = _peft_model(src, family)
+    dims = ParallelDims(**dims_kw)
+    dims.build_mesh("cpu")
+    experts = []
+    if dims.ep > 1:
+        from fsdptk import apply_ep
+        from fsdptk.hf import hf_ep_plan
+
+        experts = hf_ep_plan(model)
+        apply_ep(model, dims.ep_mesh, experts)
+    shard_model(model, no_split_modules(model), cpu_offload=False, dp_mesh=dims.fsdp_mesh,
+                expert_dp_mesh=dims.expert_fsdp_mesh if experts else None)
+    source = weight_source(model, adapters="merged", owners=owners, dtype=torch.bfloat16, track_changes=True)
+    seed = {n: t.clone() for n, t in source.iter_full()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    rows = []
+    for k in range(1, 3):
+        _step(model, opt, k)
+        rows.append(_rows(source.iter_patches()))
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if dist.get_rank() == 0:
+            ref = _peft_model(src, family)
+            ref.load_state_dict(full, strict=True)
+            copy.deepcopy(ref).merge_and_unload().save_pretrained(Path(out) / f"step{k}")
+        dist.barrier()
+    if dist.get_rank() == 0:  # step 0: the adapters as they were seeded
+        _peft_model(src, family).merge_and_unload().save_pretrained(Path(out) / "step0")
+    return {"seed": seed, "patches": rows, "again": _rows(source.iter_patches()),
+            "owned": source.owned_names(dist.get_rank())}
+
+
+@pytest.mark.parametrize(("family", "mesh", "owners"), [("llama", "fsdp2", 1), ("qwen3_moe", "ep", 4)],
+                         ids=["llama-fsdp2-owners1", "qwen3_moe-ep-owners4"])
+def test_merged_lora_patches_are_merge_and_unloads_changes(world, hub, tmp_path, family, mesh, owners) -> None:
+    n, dims_kw = MESHES[mesh]
+    results = world(n).run(_lora_sync, str(hub(family)), family, dims_kw, owners, str(tmp_path), timeout=240)
+    _check(results, tmp_path, 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# errors: on every rank, before anything is yielded
+def _errors(src: str) -> dict:
+    from fsdptk import ParallelDims
+    from fsdptk.hf import from_pretrained, weight_source
+
+    rank = dist.get_rank()
+    model = from_pretrained(src, dims=ParallelDims(dp_shard=2))
+    out: dict[str, str] = {}
+
+    def catch(tag: str, fn) -> None:
+        try:
+            fn()
+        except (ValueError, TypeError) as e:
+            out[tag] = f"{type(e).__name__}: {e}"
+
+    plain = weight_source(model)
+    catch("untracked", lambda: list(plain.iter_patches()))
+    source = weight_source(model, dtype=torch.bfloat16, track_changes=True)
+    catch("no_baseline", lambda: list(source.iter_patches()))
+    it = source.iter_full()  # a first pass abandoned on rank 0: still no baseline
+    try:
+        for _ in it:
+            if rank == 0:
+                break
+    except RuntimeError:
+        pass
+    del it
+    catch("abandoned_first", lambda: list(source.iter_patches()))
+    list(source.iter_full())
+    norm = model.model.norm.weight
+    with torch.no_grad():
+        if rank == 1:  # rank 1's shard only: every rank raises, before anything is yielded
+            norm.to_local()[:3] = float("nan")
+    got: list = []
+    catch("nan", lambda: got.extend(source.iter_patches()))
+    out["yielded_before_nan"] = str(len(got))
+    catch("quantize", lambda: weight_source(model, quantize="fp8", track_changes=True))
+    catch("bool", lambda: weight_source(model, track_changes="yes"))
+    return out
+
+
+def test_errors_are_raised_on_every_rank_before_anything_is_yielded(world, hub) -> None:
+    results = world(2).run(_errors, str(hub("llama")), timeout=180)
+    assert len(results) == 2
+    for res in results:
+        assert "track_changes=True" in res["untracked"], res
+        assert "no baseline: run iter_full first" in res["no_baseline"], res
+        assert "no baseline" in res["abandoned_first"], res
+        assert "'model.norm.weight': 3 changed elements NaN now" in res["nan"], res
+        assert res["yielded_before_nan"] == "0"
+        assert "track_changes=True with quantize='fp8'" in res["quantize"], res
+        assert res["bool"].startswith("TypeError: track_changes must be a bool"), res
+
+
+def test_a_hub_tensor_int32_indices_cannot_address_is_refused_at_creation() -> None:
+    from fsdptk.hf import weight_source
+
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(1, 1).expand(2**31, 1))  # 2**31 elements, one stored
+    with pytest.raises(ValueError, match=r"'w' has 2147483648 elements .* int32 flat indices"):
+        weight_source(model, track_changes=True)
+    weight_source(model)  # without tracking it is fine
+
+
+def test_a_changed_integer_tensor_is_refused_by_name() -> None:
+    from fsdptk.hf import weight_source
+
+    model = torch.nn.Linear(3, 2)
+    model.register_buffer("count", torch.zeros(2, dtype=torch.int64))
+    source = weight_source(model, track_changes=True)
+    list(source.iter_full())
+    model.count += 1
+    with pytest.raises(ValueError, match="'count': an integer tensor changed"):
+        list(source.iter_patches())

@@ -137,9 +137,11 @@ class Tracker:
                 covering.setdefault(name, []).append(i)
         local_items: set[int] = set()
         for i, k in enumerate(plan.keys):
+            if k in plan.merges or k in plan.lora:
+                continue
             node = plan.nodes.get(plan.conv_key[k]) if plan.nodes is not None else None
-            if (k in plan.merges or k in plan.lora or any(name in plan.written for name in plan.item_hub[k])
-                    or not all(p[i] for p in plain) or (node is not None and not splittable(node))
+            if (any(name in plan.written for name in plan.item_hub[k]) or not all(p[i] for p in plain)
+                    or (node is not None and not splittable(node))
                     or any(len(covering[name]) != 1 for name in plan.item_hub[k])):
                 continue
             local_items.add(i)
