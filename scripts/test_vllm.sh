@@ -79,7 +79,7 @@ fi
 "$VPY" -c 'from vllm.distributed.weight_transfer.base import WeightSource, ParamMeta, ModuleSource; import fsdptk' \
     || { echo "[vllm] vLLM's weight_transfer module or fsdptk failed to import in $VENV" >&2; exit 1; }
 "$VPY" -c 'import sys, torch, transformers, vllm; print(f"[vllm] Python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, vLLM {vllm.__version__}")'
-"$VPY" -m pytest -q tests/test_vllm_source.py tests/test_weight_source.py "$@"
+"$VPY" -m pytest -q tests/test_vllm_source.py tests/test_weight_source.py tests/test_vllm_patches.py "$@"
 # the quantized saves' checks that need vLLM (the others run in the main legs, on the transformers
 # release the project declares; this environment holds vLLM's older one)
 exec "$VPY" -m pytest -q tests/test_quantize_out.py -k vllm "$@"
