@@ -6,14 +6,20 @@ stepped model is gathered with torch's own full state dict (``get_model_state_di
 a single-process transformers model and written with ``save_pretrained``; the engine (seeded by
 ``iter_full``, then patched) must equal that checkpoint cast to the wire dtype, bit for bit, and the
 patches' indices must be exactly the elements whose wire bits changed since the previous step (none
-missing, none extra). Where vLLM 0.33 imports (``bash scripts/test_vllm.sh``) the engine is an
-engine-side module patched by vLLM's own ``load_checkpoint_weight_patches`` through vLLM's
-``default_weight_loader``, each patch accepted by vLLM's sparse trainer engine's validation first;
-elsewhere the patches are applied by index (``index_copy_`` of the flat tensor, as vLLM does).
+missing, none extra). Here the patches are applied by index (``index_copy_`` of the flat tensor, as vLLM's
+``load_checkpoint_weight_patches`` does).
+
+Also: what crosses ranks in a patch pass is at most an int32 index and a bf16 value per changed
+element (plus each message's alignment), counted at the engine's wire; the ranks' baselines together
+hold every Hub element once in bf16, no rank more than its own shards; abandoned passes (a patch
+pass and a full pass whose first items the engine applied) are made exact by the next patch pass;
+merged LoRA adapters are judged by PEFT's ``merge_and_unload().save_pretrained``; the errors come on
+every rank before anything is yielded. vLLM's own judge is tests/test_vllm_patches.py.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -115,13 +121,38 @@ def _sync(src: str, family: str, dims_kw: dict, owners, lr: float, steps: int, o
     seed = {n: t.clone() for n, t in source.iter_full()}
     _save_full(model, family, Path(out) / "step0")
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    rows = []
+    rows, sent = [], []
     for k in range(1, steps + 1):
         _step(model, opt, k)
-        rows.append(_rows(source.iter_patches()))
+        with _bytes_sent() as counter:
+            rows.append(_rows(source.iter_patches()))
+        sent.append(counter[0])
         _save_full(model, family, Path(out) / f"step{k}")
     again = _rows(source.iter_patches())  # no step since the last pass: nothing anywhere
-    return {"seed": seed, "patches": rows, "again": again, "owned": source.owned_names(dist.get_rank())}
+    tracker = source._tracker
+    return {"seed": seed, "patches": rows, "again": again, "owned": source.owned_names(dist.get_rank()),
+            "sent": sent, "baseline_bytes": sum(t.nbytes for t in [*tracker.base.values(), *tracker.full.values()]),
+            "local_elements": sum(t.to_local().numel() if hasattr(t, "to_local") else t.numel()
+                                  for t in model.state_dict().values())}  # parameters and buffers
+
+
+@contextmanager
+def _bytes_sent():
+    """Within the block: the bytes this rank posts to other ranks through the engine's wire."""
+    from fsdptk._engine import wire
+
+    counter = [0]
+    real = wire.isend
+
+    def counting(tensor, peer):
+        counter[0] += tensor.numel() * tensor.element_size()
+        return real(tensor, peer)
+
+    wire.isend = counting
+    try:
+        yield counter
+    finally:
+        wire.isend = real
 
 
 def _apply(engine: dict[str, torch.Tensor], rows: list[tuple]) -> None:
@@ -129,6 +160,24 @@ def _apply(engine: dict[str, torch.Tensor], rows: list[tuple]) -> None:
         t = engine[name]
         assert tuple(t.shape) == shape, (name, t.shape, shape)
         t.view(-1).index_copy_(0, idx.long(), vals.to(t.dtype))
+
+
+def _check_bytes_and_memory(results: list[dict], ckpt: list[dict[str, torch.Tensor]]) -> None:
+    """Only changed elements cross ranks, each once: what every rank posted in a patch pass is at most
+    6 bytes (an int32 index and a bf16 value) per changed element plus each message's alignment
+    (16 bytes for each of a piece's two parts). The baseline: the ranks together keep each Hub
+    element once, in bf16 (2 bytes), and no rank more than its own shards' elements."""
+    steps = len(results[0]["sent"])
+    names = len(ckpt[0])
+    for k in range(1, steps + 1):
+        changed = sum(int((_bits(ckpt[k][n]) != _bits(ckpt[k - 1][n])).sum()) for n in ckpt[k])
+        sent = sum(r["sent"][k - 1] for r in results)
+        assert sent <= 6 * changed + 32 * names * len(results), (k, sent, changed)
+    if all("baseline_bytes" in r for r in results):
+        hub_elements = sum(t.numel() for t in ckpt[0].values())
+        assert sum(r["baseline_bytes"] for r in results) == 2 * hub_elements
+        for r in results:
+            assert r["baseline_bytes"] <= 2 * r["local_elements"], (r["baseline_bytes"], r["local_elements"])
 
 
 def _check(results: list[dict], out: Path, steps: int) -> None:
@@ -157,6 +206,8 @@ def _check(results: list[dict], out: Path, steps: int) -> None:
                                                "elements changed")
             assert torch.equal(_bits(engine[n]), _bits(want)), f"step {k} {n}: the engine differs"
         assert got, f"step {k}: nothing changed at all"
+    if "sent" in results[0]:
+        _check_bytes_and_memory(results, ckpt)
 
 
 @pytest.fixture(scope="module")
