@@ -9,6 +9,9 @@
 #        .venv-peers/bin/python -m pytest -q tests_peers
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pip's editable install writes fsdptk.egg-info into the checkout: one at a time, as scripts/test.sh
+# sets up several environments at once
+one_at_a_time() { if command -v flock >/dev/null 2>&1; then flock "${TMPDIR:-/tmp}/fsdptk-editable-install.lock" "$@"; else "$@"; fi; }
 PY="${PYTHON:-python3}"
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 if [ ! -x .venv-peers/bin/python ]; then
@@ -23,7 +26,7 @@ VPY=.venv-peers/bin/python
 "$VPY" -m pip install -q --no-deps torchao==0.14.1
 "$VPY" -m pip install -q accelerate safetensors numpy psutil matplotlib
 "$VPY" -m pip install -q pytest pytest-timeout hypothesis cloudpickle
-"$VPY" -m pip install -q --no-deps -e .
+one_at_a_time "$VPY" -m pip install -q --no-deps -e .
 "$VPY" - <<'PY'
 import importlib.metadata as md
 missing = []

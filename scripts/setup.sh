@@ -14,6 +14,9 @@
 #         CUDA build of torch for Linux (about 4 GB with its CUDA libraries; it runs on the CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pip's editable install writes fsdptk.egg-info into the checkout: one at a time, as scripts/test.sh
+# sets up several environments at once
+one_at_a_time() { if command -v flock >/dev/null 2>&1; then flock "${TMPDIR:-/tmp}/fsdptk-editable-install.lock" "$@"; else "$@"; fi; }
 source scripts/legs.env
 LEG="${FSDPTK_LEG:-pinned}"
 EXTRAS="${1:-}"
@@ -77,6 +80,6 @@ if ! "$VPY" -c 'import torch' >/dev/null 2>&1; then
 fi
 if ! "$VPY" -c 'import fsdptk, safetensors, torchao, tqdm' >/dev/null 2>&1 || [ -n "$EXTRAS" ]; then
     echo "[setup] installing fsdptk${EXTRAS:+[$EXTRAS]} (editable) into $VENV"
-    "$VPY" -m pip install -q "${PINS[@]}" -e ".${EXTRAS:+[$EXTRAS]}"
+    one_at_a_time "$VPY" -m pip install -q "${PINS[@]}" -e ".${EXTRAS:+[$EXTRAS]}"
 fi
 "$VPY" -c 'import fsdptk' || { echo "[setup] fsdptk failed to import" >&2; exit 1; }

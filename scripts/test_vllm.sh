@@ -13,8 +13,12 @@
 # more while installing (it installs in batches: scripts/pip_batched.py).
 #
 # Usage: bash scripts/test_vllm.sh [pytest args...]
+#        FSDPTK_VLLM_SETUP_ONLY=1 bash scripts/test_vllm.sh     (the environment only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# pip's editable install writes fsdptk.egg-info into the checkout: one at a time, as scripts/test.sh
+# sets up several environments at once
+one_at_a_time() { if command -v flock >/dev/null 2>&1; then flock "${TMPDIR:-/tmp}/fsdptk-editable-install.lock" "$@"; else "$@"; fi; }
 VENV=.venv-vllm
 VLLM_VERSION=0.33.0
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -62,7 +66,7 @@ trap 'rm -f "$PINS"' EXIT
 "$VPY" -c 'from importlib.metadata import version; print("torch==" + version("torch")); print("transformers==" + version("transformers"))' > "$PINS"
 if ! have fsdptk; then
     echo "[vllm] installing fsdptk (editable, without dependencies) into $VENV"
-    "$VPY" -m pip install -q --no-deps -e .
+    one_at_a_time "$VPY" -m pip install -q --no-deps -e .
 fi
 MISSING=()  # fsdptk's pure dependencies and the test extras vLLM does not bring (peft: the adapter tests)
 for DIST in safetensors numpy tqdm hypothesis pytest pytest-timeout cloudpickle psutil accelerate peft; do
@@ -79,6 +83,9 @@ fi
 "$VPY" -c 'from vllm.distributed.weight_transfer.base import WeightSource, ParamMeta, ModuleSource; import fsdptk' \
     || { echo "[vllm] vLLM's weight_transfer module or fsdptk failed to import in $VENV" >&2; exit 1; }
 "$VPY" -c 'import sys, torch, transformers, vllm; print(f"[vllm] Python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}, vLLM {vllm.__version__}")'
+# FSDPTK_VLLM_SETUP_ONLY=1: make the environment and stop (scripts/test.sh sets it up while the
+# other legs run, then calls this script again for the tests)
+[ "${FSDPTK_VLLM_SETUP_ONLY:-0}" = 1 ] && exit 0
 "$VPY" -m pytest -q tests/test_vllm_source.py tests/test_weight_source.py tests/test_vllm_patches.py "$@"
 # the quantized saves' checks that need vLLM (the others run in the main legs, on the transformers
 # release the project declares; this environment holds vLLM's older one)
