@@ -7,8 +7,9 @@
 #           accelerate; created by benchmarks/setup_peers.sh)
 #   newest  ./.venv-newest: the main suite on the newest Python with the newest torch release
 #   vllm    ./.venv-vllm: vLLM 0.33 with its own torch and transformers (scripts/test_vllm.sh): the
-#           weight source and the quantized saves judged by vLLM's own classes (WeightSource,
-#           ParamMeta, ModuleSource, Fp8Config, Mxfp4Config, per_block_cast_to_fp8)
+#           weight source, its patches and the quantized saves judged by vLLM's own classes
+#           (WeightSource, ParamMeta, ModuleSource, SparseWeightPatch, load_checkpoint_weight_patches,
+#           Fp8Config, Mxfp4Config, per_block_cast_to_fp8)
 #
 # Usage: bash scripts/test.sh [--leg pinned|newest|vllm|all] [--no-peers] [pytest args for the main suite...]
 #   --leg L      run one leg only (default: all, pinned first, vllm last)

@@ -86,7 +86,7 @@ fi
 # FSDPTK_VLLM_SETUP_ONLY=1: make the environment and stop (scripts/test.sh sets it up while the
 # other legs run, then calls this script again for the tests)
 [ "${FSDPTK_VLLM_SETUP_ONLY:-0}" = 1 ] && exit 0
-"$VPY" -m pytest -q tests/test_vllm_source.py tests/test_weight_source.py tests/test_vllm_patches.py "$@"
+"$VPY" -m pytest -q tests/test_vllm_source.py tests/test_weight_source.py tests/test_vllm_patches.py tests/test_weight_patches.py "$@"
 # the quantized saves' checks that need vLLM (the others run in the main legs, on the transformers
 # release the project declares; this environment holds vLLM's older one)
 exec "$VPY" -m pytest -q tests/test_quantize_out.py -k vllm "$@"

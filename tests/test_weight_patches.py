@@ -6,8 +6,11 @@ stepped model is gathered with torch's own full state dict (``get_model_state_di
 a single-process transformers model and written with ``save_pretrained``; the engine (seeded by
 ``iter_full``, then patched) must equal that checkpoint cast to the wire dtype, bit for bit, and the
 patches' indices must be exactly the elements whose wire bits changed since the previous step (none
-missing, none extra). Here the patches are applied by index (``index_copy_`` of the flat tensor, as vLLM's
-``load_checkpoint_weight_patches`` does).
+missing, none extra). Where vLLM 0.33 imports (the vLLM leg, ``bash scripts/test_vllm.sh``, runs this file's cases
+too) the patches are applied by vLLM's own ``load_checkpoint_weight_patches`` to an engine-side
+module whose ``load_weights`` is vLLM's ``default_weight_loader`` per Hub name, each patch first
+accepted by vLLM's sparse trainer engine's validation; elsewhere by index (``index_copy_`` of the
+flat tensor, as vLLM's loader does).
 
 Also: what crosses ranks in a patch pass is at most an int32 index and a bf16 value per changed
 element (plus each message's alignment), counted at the engine's wire; the ranks' baselines together
@@ -155,11 +158,68 @@ def _bytes_sent():
         wire.isend = real
 
 
+def _vllm() -> Any:
+    """vLLM 0.33's sparse engine module where it imports (the vLLM leg), else None."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    try:
+        from vllm.distributed.weight_transfer import sparse_nccl_engine
+    except ImportError:
+        return None
+    return sparse_nccl_engine
+
+
+class _EngineModule(torch.nn.Module):
+    """The engine's tensors (shared, not copied) as parameters under their Hub names, loaded through
+    vLLM's ``default_weight_loader`` as a vLLM model's ``load_weights`` loads checkpoint tensors."""
+
+    def __init__(self, engine: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, t in engine.items():
+            *path, leaf = name.split(".")
+            mod: torch.nn.Module = self
+            for part in path:
+                if part not in mod._modules:
+                    mod.add_module(part, torch.nn.Module())
+                mod = mod._modules[part]  # type: ignore[assignment]
+            mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+
+    def load_weights(self, weights) -> set[str]:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            default_weight_loader(params[name], tensor)
+        return {name for name, _ in weights}
+
+
 def _apply(engine: dict[str, torch.Tensor], rows: list[tuple]) -> None:
+    """The patches applied to the engine: by vLLM's own ``load_checkpoint_weight_patches`` where vLLM
+    imports (each patch first accepted by its sparse trainer engine's validation, then converted as
+    its ``receive_weights`` converts it), else by ``index_copy_`` of the flat tensor."""
+    vllm = _vllm()
+    if vllm is None:
+        for name, idx, vals, shape in rows:
+            t = engine[name]
+            assert tuple(t.shape) == shape, (name, t.shape, shape)
+            t.view(-1).index_copy_(0, idx.long(), vals.to(t.dtype))
+        return
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+        CheckpointWeightPatch,
+        load_checkpoint_weight_patches,
+    )
+
+    patches = []
     for name, idx, vals, shape in rows:
-        t = engine[name]
-        assert tuple(t.shape) == shape, (name, t.shape, shape)
-        t.view(-1).index_copy_(0, idx.long(), vals.to(t.dtype))
+        patch = vllm.SparseWeightPatch(name, idx, vals, shape)
+        vllm.SparseNCCLTrainerWeightTransferEngine._validate_patch(patch)
+        patches.append(CheckpointWeightPatch(name=name, shape=tuple(shape), dtype=vals.dtype, values=vals,
+                                             indices=idx))
+    if patches:
+        loaded = load_checkpoint_weight_patches(_EngineModule(engine), patches)
+        assert loaded == {p.name for p in patches}, loaded
 
 
 def _check_bytes_and_memory(results: list[dict], ckpt: list[dict[str, torch.Tensor]]) -> None:
@@ -294,7 +354,7 @@ def _abandon(src: str, family: str, dims_kw: dict, owners, out: str) -> dict:
             errors.append(str(e))
 
     def apply_patch(p) -> None:
-        engine[p.name].view(-1).index_copy_(0, p.indices.long(), p.values)
+        _apply(engine, _rows([p]))  # vLLM's loader where vLLM imports
 
     def apply_full(pair) -> None:
         engine[pair[0]].copy_(pair[1])
