@@ -21,17 +21,28 @@ engine after every few optimizer steps. This script runs that loop end to end wi
 
 Each sync (the initial weights, then every ``--sync-every`` steps and after the last one):
 
-1. every trainer rank iterates ``source.iter_full()`` of ONE ``fsdptk.hf.weight_source(model)``
-   made before training (each pass reflects the current weights). With ``owners=1`` rank 0 owns
-   every name: rank 1 only drives the iterator (its shards travel point to point to rank 0) and rank
-   0 sends each full tensor on the channel as it comes, after the metadata (names, dtypes, shapes:
-   what vLLM's ``update_weights`` request carries);
-2. the inference process receives each tensor, loads them all with ``load_state_dict(strict=True)``
-   (Hub names: for a Llama the module's own), and generates a few tokens greedily;
+1. every trainer rank iterates ONE ``fsdptk.hf.weight_source(model, track_changes=True)`` made
+   before training (each pass reflects the current weights). With ``owners=1`` rank 0 owns every
+   name: rank 1 only drives the iterator (its shards travel point to point to rank 0) and rank 0
+   sends on the channel. The first sync is ``source.iter_full()``: the metadata (names, dtypes,
+   shapes: what vLLM's ``update_weights`` request carries), then each full tensor as it comes. Every
+   later sync is ``source.iter_patches()``: only the elements whose bits changed since the last
+   sync, as ``SparseWeightPatch(name, indices, values, full_shape)`` records in the Hub checkpoint's
+   coordinates; rank 0 collects them, sends their names, dtypes and counts (what vLLM's sparse
+   engine's update info carries), then each patch's int32 indices and values;
+2. the inference process receives them: the full tensors are loaded with
+   ``load_state_dict(strict=True)`` (Hub names: for a Llama the module's own), each patch is applied
+   in place with ``index_copy_`` into the flat parameter of its name (as vLLM applies one); it then
+   generates a few tokens greedily;
 3. the trainer ranks run the sharded model's forward on a probe batch (FSDP gathers the weights),
    rank 0 sends those logits, and the inference process checks that its own logits on the probe are
    equal, bit for bit. It answers ok or not; on "not ok" every trainer rank exits with 1, and so do
    the inference process and this script.
+
+Each side prints, per sync, how many elements it sent or applied out of the model's total. The
+weights travel in float32 (the logits are compared bit for bit), where an AdamW step changes
+nearly every element; with ``dtype=torch.bfloat16`` on the wire a step changes a fraction of them
+(docs/weight_sync.md, "Only what changed").
 
 See docs/weight_sync.md for the protocol, ``owners``, memory and failures.
 """
@@ -41,6 +52,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import socket
 import sys
 import time
@@ -142,17 +154,48 @@ def _build_trainer_model(args: argparse.Namespace) -> Any:
     return model
 
 
-def _push_weights(model: Any, source: Any, channel: Channel | None, step: int) -> bool:
-    """One sync: stream ``source.iter_full()`` to the inference process, then compare logits."""
-    t0 = time.perf_counter()
+def _send_full(source: Any, channel: Channel | None, step: int) -> tuple[int, int, int]:
+    """Stream ``source.iter_full()``: the metadata first, then each tensor as it arrives. Returns
+    (tensors, elements, bytes) sent."""
     if channel is not None:  # the metadata first: names, dtypes and shapes, in iteration order
-        channel.send_json({"step": step, "params": [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape)]
-                                                    for m in source.metadata]})
-    sent, nbytes = 0, 0
+        channel.send_json({"step": step, "mode": "full",
+                           "params": [[m.name, str(m.dtype).removeprefix("torch."), list(m.shape)]
+                                      for m in source.metadata]})
+    sent, elements, nbytes = 0, 0, 0
     for _name, tensor in source.iter_full():  # every rank drives it; only rank 0 (the owner) gets tensors
         if channel is not None:
             channel.send(tensor)
-            sent, nbytes = sent + 1, nbytes + tensor.numel() * tensor.element_size()
+            sent, elements = sent + 1, elements + tensor.numel()
+            nbytes += tensor.numel() * tensor.element_size()
+    return sent, elements, nbytes
+
+
+def _send_patches(source: Any, channel: Channel | None, step: int) -> tuple[int, int, int]:
+    """Collect ``source.iter_patches()`` (only what changed since the last sync), then send the
+    patches' names, dtypes and counts, and each patch's indices and values. Returns (patches,
+    elements, bytes) sent."""
+    # every rank drives it; only rank 0 (the owner) gets patches. The pass completes here, so the source
+    # takes the engine as holding them: were a send below to fail, the next sync would be iter_full
+    patches = list(source.iter_patches())
+    if channel is None:
+        return 0, 0, 0
+    channel.send_json({"step": step, "mode": "patches",
+                       "patches": [[p.name, str(p.values.dtype).removeprefix("torch."), p.indices.numel()]
+                                   for p in patches]})
+    elements, nbytes = 0, 0
+    for p in patches:
+        channel.send(p.indices)  # int32, strictly ascending flat indices into the full Hub tensor
+        channel.send(p.values)
+        elements += p.indices.numel()
+        nbytes += p.indices.numel() * p.indices.element_size() + p.values.numel() * p.values.element_size()
+    return len(patches), elements, nbytes
+
+
+def _push_weights(model: Any, source: Any, channel: Channel | None, step: int, full: bool) -> bool:
+    """One sync: ``source.iter_full()`` (``full``) or ``source.iter_patches()`` to the inference
+    process, then compare logits."""
+    t0 = time.perf_counter()
+    sent, elements, nbytes = (_send_full if full else _send_patches)(source, channel, step)
     model.eval()
     with torch.no_grad():
         logits = model(_probe()).logits  # the sharded model's forward: FSDP gathers the weights
@@ -161,8 +204,9 @@ def _push_weights(model: Any, source: Any, channel: Channel | None, step: int) -
     if channel is not None:
         channel.send(logits)
         channel.recv(ok)
-        print(f"[trainer] step {step}: sent {sent} tensors ({nbytes / 2**20:.2f} MiB) in "
-              f"{time.perf_counter() - t0:.3f} s", flush=True)
+        total = sum(math.prod(m.shape) for m in source.metadata)
+        print(f"[trainer] step {step}: sent {sent} {'tensors' if full else 'patches'}, {elements} of {total} "
+              f"elements ({nbytes / 2**20:.2f} MiB) in {time.perf_counter() - t0:.3f} s", flush=True)
     dist.broadcast(ok, src=0)  # the inference process's verdict, on every trainer rank
     return bool(ok.item())
 
@@ -175,11 +219,12 @@ def _trainer(rank: int, args: argparse.Namespace, ports: tuple[int, int]) -> Non
 
     channel = Channel.open(ports[1], 0) if rank == 0 else None
     model = _build_trainer_model(args)
-    source = fsdptk.hf.weight_source(model)  # owners=1: rank 0 owns every name (vLLM's broadcast engines)
+    # owners=1: rank 0 owns every name (vLLM's broadcast engines); track_changes: a baseline for patches
+    source = fsdptk.hf.weight_source(model, track_changes=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     # each rank its own fixed batch of random tokens: the loss falls as the model memorises it
     batch = torch.randint(3, 256, (4, 16), generator=torch.Generator().manual_seed(100 + rank))
-    ok = _push_weights(model, source, channel, 0)
+    ok = _push_weights(model, source, channel, 0, full=True)  # the first sync: everything
     for step in range(1, args.steps + 1):
         if not ok:
             break
@@ -190,7 +235,7 @@ def _trainer(rank: int, args: argparse.Namespace, ports: tuple[int, int]) -> Non
         if rank == 0:
             print(f"[trainer] step {step}: loss {loss.item():.4f}", flush=True)
         if step % args.sync_every == 0 or step == args.steps:
-            ok = _push_weights(model, source, channel, step)
+            ok = _push_weights(model, source, channel, step, full=False)  # only what changed
     if channel is not None:
         channel.send_json({"stop": True})
     dist.barrier()  # nobody tears down gloo while a peer is still in a collective
@@ -201,6 +246,32 @@ def _trainer(rank: int, args: argparse.Namespace, ports: tuple[int, int]) -> Non
 
 # ----------------------------------------------------------------------------------------------
 # the inference process (outside the trainer world)
+def _load_full(model: Any, channel: Channel, header: dict[str, Any]) -> str:
+    """Receive every tensor of a full sync and load them all; returns what was done, for the log."""
+    received = {name: channel.recv(torch.empty(shape, dtype=getattr(torch, dtype)))
+                for name, dtype, shape in header["params"]}
+    model.load_state_dict(received, strict=True)  # Hub names = the module's names for a Llama
+    total = sum(t.numel() for t in model.state_dict().values())
+    elements = sum(t.numel() for t in received.values())
+    return f"loaded {len(received)} tensors, {elements} of {total} elements"
+
+
+def _apply_patches(model: Any, channel: Channel, header: dict[str, Any]) -> str:
+    """Receive each patch (int32 flat indices, values) and copy it into the flat tensor of its Hub
+    name, in place, as vLLM applies a ``SparseWeightPatch``; returns what was done, for the log."""
+    state = model.state_dict()  # Hub names = the module's names for a Llama; these share the parameters' memory
+    elements = 0
+    for name, dtype, count in header["patches"]:
+        target = state[name]
+        indices = channel.recv(torch.empty(count, dtype=torch.int32))
+        values = channel.recv(torch.empty(count, dtype=getattr(torch, dtype)))
+        with torch.no_grad():  # index_copy_ refuses another dtype or an index out of range
+            target.view(-1).index_copy_(0, indices.long(), values)
+        elements += count
+    total = sum(t.numel() for t in state.values())
+    return f"patched {len(header['patches'])} tensors, {elements} of {total} elements"
+
+
 def _inference(args: argparse.Namespace, ports: tuple[int, int]) -> None:
     torch.set_num_threads(1)
     from transformers import AutoModelForCausalLM
@@ -213,9 +284,10 @@ def _inference(args: argparse.Namespace, ports: tuple[int, int]) -> None:
         header = channel.recv_json()
         if header.get("stop"):
             break
-        received = {name: channel.recv(torch.empty(shape, dtype=getattr(torch, dtype)))
-                    for name, dtype, shape in header["params"]}
-        model.load_state_dict(received, strict=True)  # Hub names = the module's names for a Llama
+        if header["mode"] == "full":
+            applied = _load_full(model, channel, header)
+        else:
+            applied = _apply_patches(model, channel, header)
         with torch.no_grad():
             logits = model(probe).logits
             tokens = model.generate(probe[:1], max_new_tokens=args.new_tokens, do_sample=False)
@@ -223,8 +295,8 @@ def _inference(args: argparse.Namespace, ports: tuple[int, int]) -> None:
         same = torch.equal(logits, theirs)
         verdict = ("equal to" if same else
                    f"DIFFERENT (max |diff| {(logits - theirs).abs().max().item():.3g}) from")
-        print(f"[inference] step {header['step']}: loaded {len(received)} tensors; logits {verdict} the "
-              f"trainer's; greedy continuation {tokens[0, probe.shape[1]:].tolist()}", flush=True)
+        print(f"[inference] step {header['step']}: {applied}; logits {verdict} the trainer's; greedy "
+              f"continuation {tokens[0, probe.shape[1]:].tolist()}", flush=True)
         channel.send(torch.tensor([int(same)], dtype=torch.int32))
         syncs, failed = syncs + 1, failed or not same
     if failed:
