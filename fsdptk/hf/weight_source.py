@@ -421,6 +421,10 @@ def weight_source(
       ``iter_full`` (with one owner per name it is ``iter_full``).
     - ``iter_buckets()``: ``iter_full`` as lists of ``(name, tensor)`` up to ``bucket_bytes`` (a
       larger tensor alone) on the owners, ``[]`` elsewhere (engines that take flattened buckets).
+    - ``iter_patches()`` (with ``track_changes=True``): only what changed since the last pass that
+      completed on every rank, as vLLM's ``SparseWeightPatch(name, indices, values, full_shape)``:
+      int32 ascending flat indices into the Hub tensor and the new values, on each owner, one per
+      changed Hub tensor; each holder sends its owner only its changed elements.
     - ``quantization_config``: the ``quantization_config`` a quantized save writes into
       ``config.json`` (what an engine builds its ``Fp8Config`` / ``Mxfp4Config`` from); ``None``
       unquantized.
@@ -492,6 +496,18 @@ def weight_source(
             the consumer still holds at the end of a pass is forgotten beyond that: freed when it
             lets go). ``False`` (default): only the engine's own wire buffers are reused, within a
             pass, and nothing is kept between passes. Per rank (not agreed: it changes no message).
+        track_changes: keep a baseline for :meth:`HubWeightSource.iter_patches` (only the changed
+            elements, in checkpoint coordinates). Each rank that sends a box of a model tensor to
+            its owner (one holder per distinct box: HSDP and TP replicas keep nothing) keeps its
+            pieces of the Hub tensors in the wire dtype, as the last pass that completed on every
+            rank delivered them; a tensor no holder can cut into Hub pieces on its own (a LoRA
+            layer merged into its base weight, NF4, a conversion other than renames, stacks,
+            concatenations and transpositions) is compared whole on its owner, which keeps it.
+            Every pass (``iter_full``, ``iter_local``, ``iter_buckets``, ``iter_patches``)
+            compares and updates the baseline as it starts; a pass abandoned on any rank leaves
+            the positions it could have changed at the engine "uncertain", sent by the next patch
+            pass whatever their bits. Not with ``quantize`` (the scales move with every value).
+            ``False`` (default): nothing is kept, and ``iter_patches`` raises.
 
     Returns:
         HubWeightSource: the source (a subclass of vLLM's ``WeightSource`` when vLLM's records are
@@ -500,9 +516,11 @@ def weight_source(
     Raises:
         TypeError: ``model`` is not a module, ``dtype`` is not a floating dtype, ``owners`` is not an
             int, ``"host"`` or ``"all"``, ``conversion`` is not ``"auto"`` or ``None``,
-            ``keep_buffers`` is not a bool,
+            ``keep_buffers`` or ``track_changes`` is not a bool,
             ``quantize_if`` is not callable or returns something other than a bool; on every rank.
         ValueError: ``owners`` out of ``[1, world size]``, ``bucket_bytes`` not a positive int,
+            ``track_changes=True`` with ``quantize``, or with a Hub tensor of ``2**31`` elements or
+            more (int32 patch indices; named),
             ``adapters`` not accepted, ``quantize`` not one of the formats (or with ``adapters``),
             ``block_size`` not two positive ints, ``quantize_if`` choosing a tensor the format
             cannot take, nothing to quantize (``"mxfp4"`` of a model without gpt-oss experts), a
@@ -534,6 +552,12 @@ def weight_source(
          ('layers.0.weight_scale_inv', torch.float32, (2, 4)), ('layers.0.bias', torch.float32, (32,))]
         >>> fp8.quantization_config["weight_block_size"], [t.dtype for _, t in fp8.iter_full()]
         ([16, 16], [torch.float8_e4m3fn, torch.float32, torch.float32])
+        >>> tracked = weight_source(layers, dtype=torch.bfloat16, track_changes=True)
+        >>> engine = dict(tracked.iter_full())  # the baseline: what the engine holds now
+        >>> with torch.no_grad():
+        ...     layers.layers[0].weight[1, 2] += 1.0
+        >>> [(p.name, p.indices.tolist(), p.full_shape) for p in tracked.iter_patches()]
+        [('layers.0.weight', [66], (32, 64))]
         >>> weight_source(layers, quantize="int8")
         Traceback (most recent call last):
         ValueError: quantize must be None, 'fp8', 'fp8-ue8m0' or 'mxfp4', got 'int8'
