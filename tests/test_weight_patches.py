@@ -545,3 +545,67 @@ def test_a_changed_integer_tensor_is_refused_by_name() -> None:
     model.count += 1
     with pytest.raises(ValueError, match="'count': an integer tensor changed"):
         list(source.iter_patches())
+
+
+# ----------------------------------------------------------------------------------------------
+# properties: the index map, and the round trip on one process
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@st.composite
+def _boxes(draw):
+    """A shape and a box in it: per dim a slice or an ascending tuple of indices (_StridedShard's)."""
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=4)))
+    box = []
+    for n in shape:
+        if draw(st.booleans()):
+            a = draw(st.integers(0, n - 1))
+            box.append(slice(a, draw(st.integers(a + 1, n))))
+        else:
+            box.append(tuple(sorted(draw(st.sets(st.integers(0, n - 1), min_size=1)))))
+    return shape, tuple(box)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_boxes(), st.data())
+def test_local_positions_map_to_the_hub_tensors_flat_indices(case, data) -> None:
+    from fsdptk._engine.layouts import box_shape, extract
+    from fsdptk.hf._weight_patches import hub_flat
+
+    shape, box = case
+    numbered = torch.arange(torch.Size(shape).numel()).view(shape)  # each element its own flat index
+    piece = extract(numbered, box)
+    assert tuple(piece.shape) == box_shape(box)
+    local = torch.tensor(sorted(data.draw(st.sets(st.integers(0, piece.numel() - 1), max_size=8))),
+                         dtype=torch.int64)
+    assert torch.equal(hub_flat(local, box, shape), piece.reshape(-1)[local])
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=12))
+def test_patches_round_trip_on_one_process(seed, edits) -> None:
+    """A model with fused experts (per-expert Hub tensors): random edits (bf16 rounding may hide
+    some) patched into a copy of the first full pass equal the next full pass, and the indices are
+    exactly the elements whose bf16 bits changed."""
+    from fsdptk.hf import weight_source
+
+    torch.manual_seed(seed % 1000)
+    model = transformers.AutoModelForCausalLM.from_config(_config("qwen3_moe"))
+    source = weight_source(model, dtype=torch.bfloat16, track_changes=True)
+    engine = {n: t.clone() for n, t in source.iter_full()}
+    before = {n: t.clone() for n, t in engine.items()}
+    params = list(model.parameters())
+    with torch.no_grad():
+        for which, scale in edits:
+            p = params[(which * 7 + seed) % len(params)]
+            flat = p.view(-1)
+            flat[(seed + which) % flat.numel()] += 10.0 ** -scale  # 1e-3 may round away in bf16
+    patches = list(source.iter_patches())
+    _apply(engine, _rows(patches))
+    now = dict(source.iter_full())
+    for n, t in now.items():
+        assert torch.equal(_bits(engine[n]), _bits(t)), n
+        changed = (_bits(t) != _bits(before[n])).view(-1).nonzero().squeeze(1)
+        got = next((p.indices.long() for p in patches if p.name == n), torch.empty(0, dtype=torch.long))
+        assert torch.equal(got, changed), n

@@ -25,7 +25,9 @@ files are symlinks into ``blobs/``).
 - :func:`hf_ep_plan`: the experts modules of the model's own expert-parallel plan, for
   :func:`fsdptk.apply_ep` (see docs/expert_parallel.md).
 - :func:`weight_source`: the model's weights for an inference engine (vLLM's ``WeightSource``
-  protocol) in the Hub checkpoint's names and shapes, each tensor gathered to its owner only.
+  protocol) in the Hub checkpoint's names and shapes, each tensor gathered to its owner only;
+  with ``track_changes=True`` its ``iter_patches()`` yields only the changed elements
+  (:class:`SparseWeightPatch`, vLLM's class where vLLM imports).
 - :func:`from_pretrained`: the one call for the common case, the composition of the above with
   :class:`fsdptk.ParallelDims`, :func:`fsdptk.apply_tp`, :func:`fsdptk.apply_activation_checkpointing`,
   :func:`fsdptk.shard_model` and :func:`fsdptk.load_safetensors`.
@@ -46,9 +48,9 @@ from fsdptk._files.hf_config import hf_config
 from fsdptk.hf.adapters import init_adapters, load_adapter, save_adapter
 from fsdptk.hf.build import hf_ep_plan, hf_meta_model, hf_tp_plan, save_hf_config
 from fsdptk.hf.pretrained import from_pretrained
-from fsdptk.hf.weight_source import weight_source
+from fsdptk.hf.weight_source import SparseWeightPatch, weight_source
 from fsdptk.predicates import no_split_modules
 
 __all__ = ["from_pretrained", "hf_meta_model", "no_split_modules", "save_hf_config", "hf_config",
            "hf_tp_plan", "hf_ep_plan", "save_adapter", "load_adapter", "init_adapters",
-           "weight_source"]
+           "weight_source", "SparseWeightPatch"]

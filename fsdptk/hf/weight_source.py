@@ -125,7 +125,10 @@ class HubWeightSource:
         Collective: every rank drives it to its end, as every pass. Checked on every rank before
         anything is yielded: a source made without ``track_changes=True``, no completed pass yet,
         a changed element that is NaN now (it would read as "unchanged" at vLLM's receiver) or a
-        changed integer tensor (each tensor named, with the count).
+        changed integer tensor (each tensor named, with the count). For the tensors compared whole
+        on their owner (merged LoRA, NF4, other conversions) the NaN and integer checks run as
+        each arrives there: raised on every rank before that tensor's patch is yielded, after the
+        patches before it (the pass then counts as abandoned: the next one sends those again).
 
         Raises:
             ValueError: as above, on every rank.
