@@ -203,25 +203,23 @@ class Tracker:
         return out
 
     def _compare(self, key: tuple[str, int] | str, new: torch.Tensor, patch: bool) -> _Diff:
-        d = self._compare_only(key, new, patch)
-        if d.sel.numel():
-            self.pending[key] = d.sel
-        return d
-
-    def _compare_only(self, key: tuple[str, int] | str, new: torch.Tensor, patch: bool) -> _Diff:
+        """One piece (``(name, item)``) or gathered tensor (its name): the positions to send
+        (changed bits, and those left uncertain by an abandoned pass), recorded for this pass; the
+        baseline updated to ``new`` in place."""
         base = self.base.get(key) if isinstance(key, tuple) else self.full.get(key)
         floating = new.dtype.is_floating_point
-        if base is None:  # the first pass: everything is new
+        if base is None:  # the first pass: the baseline is made; nothing to compare with yet
             base = torch.empty(new.shape, dtype=new.dtype)
             base.copy_(new)
             if isinstance(key, tuple):
                 self.base[key] = base
             else:
                 self.full[key] = base
-            return _Diff(torch.empty(0, dtype=torch.int64), 0, not floating)  # no baseline yet: nothing to send
-        ne = (_bits(new.contiguous()) != _bits(base)).view(-1)
-        uncertain = self.uncertain.get(key)
+            return _Diff(torch.empty(0, dtype=torch.int32), 0, not floating)
+        flat_new, flat_base = new.contiguous().view(-1), base.view(-1)
+        ne = _bits(flat_new) != _bits(flat_base)
         changed = ne.nonzero().squeeze(1)
+        uncertain = self.uncertain.get(key)
         if uncertain is not None:
             ne[uncertain] = True
             sel = ne.nonzero().squeeze(1)
@@ -229,13 +227,14 @@ class Tracker:
             sel = changed
         del ne
         if changed.numel():
-            if changed.numel() * 8 > base.numel():
-                base.copy_(new)
+            if changed.numel() * 8 > flat_base.numel():
+                flat_base.copy_(flat_new)
             else:
-                base.view(-1)[changed] = new.reshape(-1)[changed]
-        nan = 0
-        if patch and sel.numel() and floating:
-            nan = int(torch.isnan(base.view(-1)[sel]).sum())
+                flat_base[changed] = flat_new[changed]
+        sel = sel.to(torch.int32)  # local positions (a piece has fewer than 2**31 elements): half the memory
+        if sel.numel():
+            self.pending[key] = sel
+        nan = int(torch.isnan(flat_base[sel]).sum()) if patch and sel.numel() and floating else 0
         return _Diff(sel, nan, not floating)
 
     def values(self, key: tuple[str, int] | str, sel: torch.Tensor) -> torch.Tensor:
@@ -261,10 +260,6 @@ class Tracker:
             if sel.numel():
                 old = self.uncertain.get(key)
                 self.uncertain[key] = sel if old is None else torch.unique(torch.cat([old, sel]))
-
-    def box_of(self, name: str, item: int) -> Box:
-        """This rank's part's box of ``name`` (cut from ``item``) in the Hub tensor."""
-        return next(p.box for p in self.mine[name] if p.item == item)
 
 
 def check_patchable(plan: Plan) -> None:
@@ -482,7 +477,7 @@ def _gathered(tracker: Tracker, names: list[str], stream: Stream, make_patch: Ca
                     d = tracker.compare_full(name, t, True)
                     _refuse_unpatchable({(name, -1): d})
                     if d.sel.numel():
-                        patches.append(make_patch(name, d.sel.to(torch.int32), t.reshape(-1)[d.sel].clone(),
+                        patches.append(make_patch(name, d.sel.clone(), t.reshape(-1)[d.sel],
                                                   tuple(shapes[name])))
             except Exception as e:  # noqa: BLE001 - agreed by the gather
                 gen.throw(e)
