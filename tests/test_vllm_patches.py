@@ -47,61 +47,22 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 sparse = pytest.importorskip("vllm.distributed.weight_transfer.sparse_nccl_engine")
 transformers = pytest.importorskip("transformers")
 
+from _tiny_hub import bits as _bits  # noqa: E402
+from _tiny_hub import hub_dir as _hub_dir  # noqa: E402
+from _tiny_hub import save_full as _save_full  # noqa: E402
+from _tiny_hub import step as _step  # noqa: E402
+from _tiny_hub import tensors as _tensors  # noqa: E402
+
 STEPS = 3
 WIRE = torch.bfloat16
-COMMON = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0,
-          "bos_token_id": 1, "eos_token_id": 2}
-FAMILIES = {  # the configs of tests/test_weight_patches.py
-    "llama": ("LlamaConfig", {"hidden_size": 64, "intermediate_size": 96, "vocab_size": 130,
-                              "tie_word_embeddings": False}),
-    "llama_tied": ("LlamaConfig", {"hidden_size": 64, "intermediate_size": 96, "vocab_size": 130,
-                                   "tie_word_embeddings": True}),
-    "qwen3_moe": ("Qwen3MoeConfig", {"hidden_size": 32, "vocab_size": 96, "num_experts_per_tok": 2, "num_experts": 8,
-                                     "moe_intermediate_size": 16, "intermediate_size": 32, "head_dim": 8}),
-}
 # case id -> (family, world size, ParallelDims kwargs, owners)
 CASES = {"llama-fsdp2-owners1": ("llama", 2, {"dp_shard": 2}, 1),
          "llama_tied-fsdp2-owners1": ("llama_tied", 2, {"dp_shard": 2}, 1),
          "qwen3_moe-ep-owners4": ("qwen3_moe", 4, {"dp_shard": 4, "ep": 2}, 4)}
-
-
-def _config(family: str) -> Any:
-    cls, extra = FAMILIES[family]
-    return getattr(transformers, cls)(**COMMON, **extra)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-# -- on each rank of the world ----------------------------------------------------------------------
-
-
-def _save_full(model: Any, family: str, out: Path) -> None:
-    """torch's own full state dict of the model, written by transformers' save_pretrained from a
-    single-process model on rank 0."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        ref = transformers.AutoModelForCausalLM.from_config(_config(family))
-        missing, unexpected = ref.load_state_dict(full, strict=False)
-        assert not unexpected and all("rotary" in k or "inv_freq" in k for k in missing), (missing, unexpected)
-        ref.save_pretrained(out)
-    dist.barrier()
-
-
-def _step(model: Any, opt: torch.optim.Optimizer, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 90, (2, 12), generator=g)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def _gather(obj: Any) -> list[Any] | None:
@@ -172,10 +133,7 @@ class _Engine(torch.nn.Module):
 
 
 def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        out.update(load_file(f))
-    return {n: t.to(WIRE) if t.is_floating_point() else t for n, t in out.items()}
+    return {n: t.to(WIRE) if t.is_floating_point() else t for n, t in _tensors(path).items()}
 
 
 def _receive(patches: list[Any]) -> list[Any]:
@@ -225,9 +183,7 @@ def synced(world, tmp_path_factory) -> Any:
     def get(case: str) -> tuple[dict[str, Any], Path]:
         if case not in made:
             family, n, _, _ = CASES[case]
-            hub = tmp_path_factory.mktemp(f"{family}-hub")
-            torch.manual_seed(0)
-            transformers.AutoModelForCausalLM.from_config(_config(family)).save_pretrained(hub)
+            hub = _hub_dir(tmp_path_factory.mktemp(f"{family}-hub"), family)
             out = tmp_path_factory.mktemp(case)
             made[case] = (world(n).run(_train_and_patch, str(hub), case, str(out), timeout=240)[0], out)
         return made[case]

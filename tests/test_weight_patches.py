@@ -29,54 +29,19 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
+
+from _tiny_hub import bits as _bits  # noqa: E402
+from _tiny_hub import config as _config  # noqa: E402
+from _tiny_hub import hub_dir as _hub_dir  # noqa: E402
+from _tiny_hub import save_full as _save_full  # noqa: E402
+from _tiny_hub import step as _step  # noqa: E402
+from _tiny_hub import tensors as _tensors  # noqa: E402
 
 MESHES = {"fsdp2": (2, {"dp_shard": 2}), "fsdp4": (4, {"dp_shard": 4}), "tp": (4, {"dp_shard": 2, "tp": 2}),
           "hsdp": (4, {"dp_replicate": 2, "dp_shard": 2}), "ep": (4, {"dp_shard": 4, "ep": 2}),
           "tp_ep": (4, {"dp_shard": 2, "tp": 2, "ep": 2})}
-
-FAMILIES = {
-    "llama": ("LlamaConfig", {"hidden_size": 64, "intermediate_size": 96, "vocab_size": 130,
-                              "tie_word_embeddings": False}),
-    "llama_tied": ("LlamaConfig", {"hidden_size": 64, "intermediate_size": 96, "vocab_size": 130,
-                                   "tie_word_embeddings": True}),
-    "qwen3_moe": ("Qwen3MoeConfig", {"hidden_size": 32, "vocab_size": 96, "num_experts_per_tok": 2, "num_experts": 8,
-                                     "moe_intermediate_size": 16, "intermediate_size": 32, "head_dim": 8}),
-    "mixtral": ("MixtralConfig", {"hidden_size": 32, "vocab_size": 96, "num_local_experts": 8,
-                                  "num_experts_per_tok": 2, "intermediate_size": 16}),
-    "deepseek_v3": ("DeepseekV3Config", {"hidden_size": 32, "vocab_size": 96, "n_routed_experts": 8,
-                                         "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                                         "intermediate_size": 48, "n_shared_experts": 1,
-                                         "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
-                                         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
-                                         "n_group": 2, "topk_group": 1, "num_key_value_heads": 4}),
-}
-
-
-def _config(family: str) -> Any:
-    cls, extra = FAMILIES[family]
-    kw = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0,
-          "bos_token_id": 1, "eos_token_id": 2, **extra}
-    return getattr(transformers, cls)(**kw)
-
-
-def _hub_dir(root: Path, family: str) -> Path:
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(_config(family)).save_pretrained(root)
-    return root
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def _rows(patches) -> list[tuple]:
@@ -89,28 +54,6 @@ def _rows(patches) -> list[tuple]:
         assert bool((p.indices[1:] > p.indices[:-1]).all()), f"{p.name}: indices not strictly ascending"
         out.append((p.name, p.indices.clone(), p.values.clone(), tuple(p.full_shape)))
     return out
-
-
-def _save_full(model, family: str, out: Path) -> None:
-    """torch's own full state dict of the stepped model, written by transformers' save_pretrained
-    from a single-process model (rank 0)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        ref = transformers.AutoModelForCausalLM.from_config(_config(family))
-        missing, unexpected = ref.load_state_dict(full, strict=False)
-        assert not unexpected and all("rotary" in k or "inv_freq" in k for k in missing), (missing, unexpected)
-        ref.save_pretrained(out)
-    dist.barrier()
-
-
-def _step(model, opt, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 90, (2, 12), generator=g)
-    model(input_ids=ids, labels=ids).loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def _sync(src: str, family: str, dims_kw: dict, owners, lr: float, steps: int, out: str) -> dict:

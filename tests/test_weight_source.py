@@ -24,9 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
+
+from _tiny_hub import hub_dir as _hub_dir  # noqa: E402
+from _tiny_hub import tensors as _tensors  # noqa: E402
 
 MESHES = {"fsdp2": (2, {"dp_shard": 2}), "fsdp4": (4, {"dp_shard": 4}), "tp": (4, {"dp_shard": 2, "tp": 2}),
           "hsdp": (4, {"dp_replicate": 2, "dp_shard": 2}), "ep": (4, {"dp_shard": 4, "ep": 2}),
@@ -35,42 +37,6 @@ MESHES = {"fsdp2": (2, {"dp_shard": 2}), "fsdp4": (4, {"dp_shard": 4}), "tp": (4
 
 # ----------------------------------------------------------------------------------------------
 # helpers (module level: the workers import them)
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-# family -> (transformers config class, its sizes): tiny models with 8 experts for the MoE families
-FAMILIES = {
-    "llama": ("LlamaConfig", {"hidden_size": 64, "intermediate_size": 96, "vocab_size": 130,
-                              "tie_word_embeddings": False}),
-    "qwen3_moe": ("Qwen3MoeConfig", {"hidden_size": 32, "vocab_size": 96, "num_experts_per_tok": 2, "num_experts": 8,
-                                     "moe_intermediate_size": 16, "intermediate_size": 32, "head_dim": 8}),
-    "mixtral": ("MixtralConfig", {"hidden_size": 32, "vocab_size": 96, "num_local_experts": 8,
-                                  "num_experts_per_tok": 2, "intermediate_size": 16}),
-    "deepseek_v3": ("DeepseekV3Config", {"hidden_size": 32, "vocab_size": 96, "n_routed_experts": 8,
-                                         "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                                         "intermediate_size": 48, "n_shared_experts": 1,
-                                         "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
-                                         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
-                                         "n_group": 2, "topk_group": 1, "num_key_value_heads": 4}),
-    "gpt_oss": ("GptOssConfig", {"hidden_size": 32, "vocab_size": 96, "num_local_experts": 8,
-                                 "num_experts_per_tok": 2, "intermediate_size": 16, "head_dim": 8}),
-}
-
-
-def _hub_dir(root: Path, family: str) -> Path:
-    """``save_pretrained`` of a tiny ``family`` model built with ``from_config`` (the Hub layout)."""
-    cls, extra = FAMILIES[family]
-    kw = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0,
-          "bos_token_id": 1, "eos_token_id": 2, **extra}
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kw)).save_pretrained(root)
-    return root
-
-
 def _meta_rows(source) -> list[tuple]:
     return [(m.name, str(m.dtype), tuple(m.shape), tuple(m.owners), tuple(m.mesh_shape),
              None if m.placements is None else tuple(repr(p) for p in m.placements)) for m in source.metadata]
