@@ -12,6 +12,6 @@ Subcommands with their own modules: ``wire``, ``hosts``, ``async-save``, ``adapt
 fsdptk's, over model size and ranks; one rank in :mod:`benchmarks.hf_worker`, the docs section and
 plots in :mod:`benchmarks.hf_report`), ``weight-sync`` (:mod:`benchmarks.weight_sync`: ``fsdptk.hf.weight_source``
 with one owner and many beside vLLM's ``ModuleSource``, gather-everything-then-send and a raw point-to-point
-transfer of the same bytes), ``quant-save`` (:mod:`benchmarks.quant_save`: an FP8 save beside the
+transfer of the same bytes; ``weight-sync --delta``: :mod:`benchmarks.weight_sync_delta`, ``iter_patches`` after an AdamW step beside a full pass, the raw transfer of the patch bytes and the comparison's own cost), ``quant-save`` (:mod:`benchmarks.quant_save`: an FP8 save beside the
 unquantized save of the same model and safetensors' own ``save_file`` of the same bytes).
 """

@@ -17,6 +17,7 @@ Examples::
     python -m benchmarks hf --quick                  # transformers' distributed load/save beside fsdptk's
     python -m benchmarks hf-probe --worlds 2 4 --meshes fsdp fsdp-tp2 --save   # the same, timed as a user's loop
     python -m benchmarks weight-sync --size 1 --worlds 2 4   # weights out to an inference engine (issue 41)
+    python -m benchmarks weight-sync --delta --size 1 --worlds 2 4   # only what changed: iter_patches (issue 50)
     python -m benchmarks quant-save --size 1 --worlds 2 4 --writers 1 W   # FP8 save vs unquantized (issue 42)
 
 ``--device cuda`` runs the same scenarios with each rank on its own GPU (``cuda:<rank>``) over NCCL:
@@ -352,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
         from .hf_probe import main as hf_probe_main
 
         return hf_probe_main(argv[1:])
+    if argv[:1] == ["weight-sync"] and "--delta" in argv[1:]:  # iter_patches beside a full pass, the wire, a compare
+        from .weight_sync_delta import main as weight_sync_delta_main
+
+        return weight_sync_delta_main(argv[1:])
     if argv[:1] == ["weight-sync"]:  # weight_source beside vLLM's ModuleSource, gather-all and raw p2p
         from .weight_sync import main as weight_sync_main
 
