@@ -552,3 +552,15 @@ def test_patches_round_trip_on_one_process(seed, edits) -> None:
         changed = (_bits(t) != _bits(before[n])).view(-1).nonzero().squeeze(1)
         got = next((p.indices.long() for p in patches if p.name == n), torch.empty(0, dtype=torch.long))
         assert torch.equal(got, changed), n
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 700), st.data())
+def test_positions_are_the_set_elements_at_any_density(n, data) -> None:
+    from fsdptk.hf._weight_patches import positions
+
+    set_ = data.draw(st.sets(st.integers(0, max(n - 1, 0)), max_size=n)) if n else set()
+    start = data.draw(st.integers(0, 9))  # a mask that starts inside its storage too
+    mask = torch.zeros(n + start, dtype=torch.bool)
+    mask[[start + i for i in set_]] = True
+    assert positions(mask[start:]).tolist() == sorted(set_)
