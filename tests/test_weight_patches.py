@@ -564,3 +564,34 @@ def test_positions_are_the_set_elements_at_any_density(n, data) -> None:
     mask = torch.zeros(n + start, dtype=torch.bool)
     mask[[start + i for i in set_]] = True
     assert positions(mask[start:]).tolist() == sorted(set_)
+
+
+# ----------------------------------------------------------------------------------------------
+# the full pass moves the wire dtype: each holder casts before it sends
+def _full_pass_bytes(src: str) -> dict:
+    from fsdptk import ParallelDims
+    from fsdptk.hf import from_pretrained, weight_source
+
+    model = from_pretrained(src, dims=ParallelDims(dp_shard=2))
+    out = {}
+    for dtype in (None, torch.bfloat16):
+        source = weight_source(model, dtype=dtype)
+        with _bytes_sent() as counter:
+            got = {n: t.clone() for n, t in source.iter_full()}
+        out[str(dtype)] = (counter[0], got)
+    out["local_bytes"] = sum(t.to_local().numel() * t.element_size() for t in model.state_dict().values()
+                             if hasattr(t, "to_local"))
+    return out
+
+
+def test_a_bf16_full_pass_of_an_fp32_model_moves_half_the_bytes(world, hub) -> None:
+    results = world(2).run(_full_pass_bytes, str(hub("llama")), timeout=180)
+    sent_fp32 = results[1]["None"][0]
+    sent_bf16 = results[1]["torch.bfloat16"][0]
+    assert sent_fp32 >= results[1]["local_bytes"] > 0  # rank 1 sends rank 0 its shards
+    assert sent_bf16 <= sent_fp32 // 2 + 16 * 64, (sent_bf16, sent_fp32)  # cast before sending (+ alignment)
+    _, full32_0 = results[0]["None"]
+    _, full16_0 = results[0]["torch.bfloat16"]
+    assert set(full16_0) == set(full32_0) and full16_0
+    for n, t in full32_0.items():  # the cast of the full tensor, bit for bit
+        assert full16_0[n].dtype == torch.bfloat16 and torch.equal(_bits(full16_0[n]), _bits(t.to(torch.bfloat16))), n

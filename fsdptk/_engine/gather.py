@@ -20,7 +20,7 @@ order of :mod:`fsdptk._engine.wire`, under which transfers cannot block each oth
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -104,6 +104,7 @@ def collect(
     arguments: ArgumentsView | None = None,
     pool: Pool | None = None,
     reuse_yielded: bool = False,
+    wire_dtypes: Sequence[torch.dtype | None] | None = None,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Turn local shards into full CPU tensors on each item's destination rank, one bucket at a time.
 
@@ -152,6 +153,11 @@ def collect(
             contract (``weight_source(keep_buffers=True)``). ``False`` (default): every yielded
             tensor is fresh memory, the consumer's whatever it does with it (keeps its storage, a
             raw pointer, shares it with another process); see :mod:`fsdptk._engine.pool`.
+        wire_dtypes: per item, the floating dtype its pieces travel in and its full tensor is
+            yielded in (each holder casts its own piece before it is packed or sent: a bf16 stream
+            of an fp32 model moves half the bytes; a cast is elementwise, so the full tensor is the
+            cast of the full tensor, bit for bit); ``None`` (or an entry ``None``, an integer or
+            NF4 tensor): its own dtype. The same on every rank (checked with the items).
 
     Returns:
         Iterator[list[tuple[str, torch.Tensor]]]: buckets; every rank drives the generator to its
@@ -186,8 +192,11 @@ def collect(
         views = [_collect_view(t) for _, t in items]
         problems = [("ValueError", f"{fqn!r} {v.problem}") for (fqn, _), v in zip(items, views) if v.problem]
         given = None if dest is None or callable(dest) else tuple(dest)
-        fp = fingerprint([*((fqn, tuple(t.shape), str(t.dtype), type(v.layout).__name__)
-                            for (fqn, t), v in zip(items, views)), ("dest", given)])
+        casts = [None] * len(listed) if wire_dtypes is None else list(wire_dtypes)
+        if len(casts) != len(listed):
+            raise ValueError(f"wire_dtypes has {len(casts)} entries for {len(listed)} items")
+        fp = fingerprint([*((fqn, tuple(t.shape), str(t.dtype), type(v.layout).__name__, str(c))
+                            for (fqn, t), v, c in zip(items, views, casts)), ("dest", given)])
     except Exception as e:  # noqa: BLE001 - raised on every rank just below
         error = e
     payloads = all_gather_object(_GatherView(fingerprint=fp, boxes=[v.box for v in views], problems=problems,
@@ -205,16 +214,35 @@ def collect(
     holdings = Holdings(boxes=[p.boxes for p in payloads], hosts=[p.host for p in payloads])
     dests = _resolve_dest(dest, holdings, len(listed))
     status = Status("gather")
-    layouts = [v.layout for v in views if v.layout is not None]
+    layouts: list[Layout] = [v.layout for v in views if v.layout is not None]
     assert len(layouts) == len(listed), "every item is a tensor (agreed just above)"
+    dtypes = []
+    for i, ((_, t), c) in enumerate(zip(listed, casts)):
+        if c is not None and c != t.dtype and c.is_floating_point and t.dtype.is_floating_point \
+                and not layouts[i].quantized:
+            layouts[i] = cast(Layout, _CastOnSend(layouts[i], c))  # send_local and quantized: all a gather reads
+            dtypes.append(c)
+        else:
+            dtypes.append(t.dtype)
     yield from guarded(_collect_buckets(listed, layouts, holdings, dests, bucket_bytes, retained, status, pool,
-                                        reuse_yielded), status)
+                                        reuse_yielded, dtypes), status)
+
+
+class _CastOnSend:
+    """A layout whose local piece is cast to ``dtype`` before it is packed, sent or placed."""
+
+    def __init__(self, inner: Layout, dtype: torch.dtype) -> None:
+        self.inner, self.dtype = inner, dtype
+        self.quantized = inner.quantized
+
+    def send_local(self) -> torch.Tensor:
+        return self.inner.send_local().to(self.dtype)
 
 
 def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout], holdings: Holdings,
                      dests: list[int], bucket_bytes: int, retained: bool,
                      status: Status, kept: Pool | None = None, reuse_yielded: bool = False,
-                     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+                     dtypes: Sequence[torch.dtype] | None = None) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The data phase of :func:`collect`: per bucket, pack, agree, then move the bytes.
 
     A sender's small pieces for one destination travel packed in one flat buffer; a large dim-0
@@ -229,7 +257,8 @@ def _collect_buckets(items: list[tuple[str, torch.Tensor]], layouts: list[Layout
     of it, and every posted transfer is waited for, on the error paths too."""
     world, rank = _world()
     comm = comm_device() if world > 1 else torch.device("cpu")
-    plan = plan_gather([tuple(t.shape) for _, t in items], [t.dtype for _, t in items], holdings, dests,
+    dtypes = [t.dtype for _, t in items] if dtypes is None else dtypes  # what travels (wire_dtypes)
+    plan = plan_gather([tuple(t.shape) for _, t in items], dtypes, holdings, dests,
                        bucket_bytes=bucket_bytes, retained=retained, quantized=[lay.quantized for lay in layouts],
                        into_full=comm.type == "cpu")  # a receive can land in the (CPU) full tensors
     # reused CPU memory (not when the caller keeps every bucket: nothing would come back to it):

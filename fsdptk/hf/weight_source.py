@@ -32,7 +32,15 @@ from fsdptk._engine.layouts import Box
 from fsdptk._engine.sources.convert import Unconverter
 from fsdptk._plans.hub_items import Items, Plan, plan_items
 from fsdptk.hf._weight_layout import Ownership, SourceView, assign, check, held, raise_disagreement
-from fsdptk.hf._weight_meta import ParamMeta, RecordTypes, SparseWeightPatch, box_pieces, patch_type, record_types
+from fsdptk.hf._weight_meta import (
+    ParamMeta,
+    RecordTypes,
+    SparseWeightPatch,
+    box_pieces,
+    patch_type,
+    record_types,
+    splittable,
+)
 from fsdptk.hf._weight_patches import Tracker, check_patchable, patch_pass
 
 __all__ = ["weight_source", "HubWeightSource", "ParamMeta", "SparseWeightPatch"]
@@ -56,6 +64,7 @@ class HubWeightSource:
         self._pool = _engine.Pool(cap=0) if keep_buffers else None  # kept between passes
         self._tracker = tracker  # the baseline (track_changes=True), else None
         self._patch_cls = patch_cls
+        self._wire = _wire_dtypes(plan)
 
     # -- metadata -------------------------------------------------------------------------------
     @cached_property
@@ -268,7 +277,8 @@ class HubWeightSource:
             failed, items, dests = e, [], []
         buckets = cast(Generator[Bucket, None, None],
                        _engine.collect(items, bucket_bytes=self._bucket_bytes, dest=dests, failed=failed,
-                                       pool=self._pool, reuse_yielded=self._pool is not None))
+                                       pool=self._pool, reuse_yielded=self._pool is not None,
+                                       wire_dtypes=[self._wire[k] for k, _ in items]))
         hub = _ToHub(plan)
         # no reference to a bucket is kept here once it is handed on, so that with keep_buffers the
         # engine reuses its memory for a later bucket once the consumer has dropped it
@@ -330,6 +340,20 @@ class _ToHub:
                 out.append((plan.order[name], name, piece.contiguous()))
             del full
         return [(n, t) for _, n, t in sorted(out, key=lambda x: x[0])]
+
+
+def _wire_dtypes(plan: Plan) -> dict[str, torch.dtype | None]:
+    """Per model key, the dtype its pieces travel in: its Hub dtype where the conversion only moves
+    data (renames, stacks, concatenations, transpositions: a cast before it is the cast after it,
+    bit for bit), so a bf16 stream of an fp32 model moves half the bytes; ``None`` (its own dtype)
+    for a LoRA factor or a base weight an adapter is merged into (PEFT's merge runs in the model's
+    dtypes) and for other conversions."""
+    out: dict[str, torch.dtype | None] = {}
+    for k in plan.keys:
+        node = plan.nodes.get(plan.conv_key[k]) if plan.nodes is not None and k in plan.conv_key else None
+        moves_only = node is None or splittable(node)
+        out[k] = plan.dtypes[k] if moves_only and k not in plan.lora and k not in plan.merges else None
+    return out
 
 
 def _regroup(out: Bucket, limit: int) -> list[Bucket]:
