@@ -33,3 +33,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hub(tmp_path_factory: pytest.TempPathFactory):
+    """``family`` -> the ``save_pretrained`` directory of a tiny transformers model of that family
+    (tests/_tiny_hub.py), written once per session; the tests only read it."""
+    from _tiny_hub import hub_dir
+
+    made: dict[str, object] = {}
+
+    def get(family: str):
+        if family not in made:
+            made[family] = hub_dir(tmp_path_factory.mktemp(family), family)
+        return made[family]
+
+    return get

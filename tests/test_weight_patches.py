@@ -34,7 +34,6 @@ transformers = pytest.importorskip("transformers")
 
 from _tiny_hub import bits as _bits  # noqa: E402
 from _tiny_hub import config as _config  # noqa: E402
-from _tiny_hub import hub_dir as _hub_dir  # noqa: E402
 from _tiny_hub import save_full as _save_full  # noqa: E402
 from _tiny_hub import step as _step  # noqa: E402
 from _tiny_hub import tensors as _tensors  # noqa: E402
@@ -219,17 +218,6 @@ def _check(results: list[dict], out: Path, steps: int) -> None:
     if "sent" in results[0]:
         _check_bytes_and_memory(results, ckpt)
 
-
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    made: dict[str, Path] = {}
-
-    def get(family: str) -> Path:
-        if family not in made:
-            made[family] = _hub_dir(tmp_path_factory.mktemp(family), family)
-        return made[family]
-
-    return get
 
 
 CASES = [("llama", "fsdp2", 1), ("llama_tied", "fsdp4", 4), ("llama", "hsdp", 2), ("llama", "tp", "all"),

@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
-from _tiny_hub import hub_dir as _hub_dir  # noqa: E402
 from _tiny_hub import tensors as _tensors  # noqa: E402
 
 MESHES = {"fsdp2": (2, {"dp_shard": 2}), "fsdp4": (4, {"dp_shard": 4}), "tp": (4, {"dp_shard": 2, "tp": 2}),
@@ -113,19 +112,6 @@ def _check_source(results: list[dict], ref: dict[str, torch.Tensor], bucket_byte
         kind = "whole" if m[5] is None else "+".join(m[5])
         kinds[kind] = kinds.get(kind, 0) + 1
     return kinds
-
-
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    """family -> its save_pretrained directory (written once per module)."""
-    made: dict[str, Path] = {}
-
-    def get(family: str) -> Path:
-        if family not in made:
-            made[family] = _hub_dir(tmp_path_factory.mktemp(family), family)
-        return made[family]
-
-    return get
 
 
 @pytest.fixture(scope="module")
