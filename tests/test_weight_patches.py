@@ -583,3 +583,23 @@ def test_a_bf16_full_pass_of_an_fp32_model_moves_half_the_bytes(world, hub) -> N
     assert set(full16_0) == set(full32_0) and full16_0
     for n, t in full32_0.items():  # the cast of the full tensor, bit for bit
         assert full16_0[n].dtype == torch.bfloat16 and torch.equal(_bits(full16_0[n]), _bits(t.to(torch.bfloat16))), n
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn]),
+       st.integers(0, 300), st.integers(0, 7), st.data())
+def test_changed_positions_are_the_elements_whose_bits_differ(dtype, n, start, data) -> None:
+    """Word-wise comparison equals the element-wise one, at any length, storage offset and dtype,
+    with NaN (same bits: unchanged) and -0 / +0 (different bits: changed)."""
+    from fsdptk.hf._weight_patches import changed_positions
+
+    base = torch.randn(n + start).to(dtype)
+    new = base.clone()
+    for i in data.draw(st.sets(st.integers(0, max(n - 1, 0)), max_size=n)) if n else []:
+        new[start + i] = data.draw(st.sampled_from([1.5, -0.0, 0.0, float("nan"), -2.0]))
+    if n:
+        base[start] = float("nan")
+        new[start] = float("nan")  # NaN on both sides, the same bits
+    a, b = new[start:], base[start:]
+    want = (_bits(a) != _bits(b)).nonzero().squeeze(1)
+    assert torch.equal(changed_positions(a, b), want)

@@ -40,7 +40,8 @@ from fsdptk._engine.wire import InFlight, Post, aligned, pack, unpack
 from fsdptk._plans.hub_items import Items, Plan
 from fsdptk.hf._weight_meta import box_pieces, splittable
 
-__all__ = ["Tracker", "PatchCounts", "MAX_PATCHABLE", "patch_bytes", "positions", "hub_flat", "merge_parts"]
+__all__ = ["Tracker", "PatchCounts", "MAX_PATCHABLE", "patch_bytes", "positions", "changed_positions", "hub_flat",
+           "merge_parts"]
 
 MAX_PATCHABLE = 2**31  # int32 flat indices: a Hub tensor must have fewer elements
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -95,6 +96,40 @@ def positions(mask: torch.Tensor) -> torch.Tensor:
     out = hit[inner[:, 0]] * 8 + inner[:, 1]
     if body < n:
         out = torch.cat([out, mask[body:].nonzero().squeeze(1) + body])
+    return out
+
+
+def changed_positions(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """The flat positions (int64, ascending) where the 1-D tensors ``new`` and ``base`` (the same
+    dtype and length) differ bit for bit.
+
+    Compared 8 bytes at a time (4 bf16 elements per word): the mask and the search over it are a
+    quarter of an element-wise one; only the words that differ are compared element by element
+    (where over one word in 16 differs, the whole comparison is made element by element instead).
+
+    Examples:
+        >>> import torch
+        >>> a = torch.zeros(11, dtype=torch.bfloat16); b = a.clone(); b[[1, 6, 10]] = 1
+        >>> changed_positions(b, a).tolist(), changed_positions(a, a).tolist()
+        ([1, 6, 10], [])
+    """
+    size = new.element_size()
+    per = 8 // size if size < 8 else 1
+    n = new.numel()
+    body = n - n % per
+    if per == 1 or body == 0 or (new.storage_offset() * size) % 8 or (base.storage_offset() * size) % 8:
+        return positions(_bits(new) != _bits(base))
+    words = new[:body].view(torch.int64) != base[:body].view(torch.int64)
+    if int(words.count_nonzero()) * 16 > words.numel():  # dense: element by element is cheaper
+        return positions(_bits(new) != _bits(base))
+    hit = positions(words)  # the words that differ
+    if hit.numel():
+        inner = (_bits(new[:body].view(-1, per)[hit]) != _bits(base[:body].view(-1, per)[hit])).nonzero()
+        out = hit[inner[:, 0]] * per + inner[:, 1]
+    else:
+        out = hit
+    if body < n:
+        out = torch.cat([out, (_bits(new[body:]) != _bits(base[body:])).nonzero().squeeze(1) + body])
     return out
 
 
@@ -253,17 +288,18 @@ class Tracker:
                 self.full[key] = base
             return _Diff(torch.empty(0, dtype=torch.int32), 0, not floating)
         flat_new, flat_base = new.contiguous().view(-1), base.view(-1)
-        ne = _bits(flat_new) != _bits(flat_base)
-        changed = positions(ne)
         uncertain = self.uncertain.get(key)
-        if uncertain is not None:
+        if uncertain is None:
+            changed = changed_positions(flat_new, flat_base)
+            sel = changed
+        else:  # after an abandoned pass (rare): one mask of both
+            ne = _bits(flat_new) != _bits(flat_base)
+            changed = positions(ne)
             ne[uncertain] = True
             sel = positions(ne)
-        else:
-            sel = changed
-        del ne
+            del ne
         if changed.numel():
-            if changed.numel() * 64 > flat_base.numel():  # a scattered write costs more than a copy
+            if changed.numel() * 256 > flat_base.numel():  # a scattered write costs more than a copy
                 flat_base.copy_(flat_new)
             else:
                 flat_base[changed] = flat_new[changed]
