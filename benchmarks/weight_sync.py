@@ -309,13 +309,19 @@ def _port() -> int:
 
 def run(world: int, args: argparse.Namespace) -> dict[str, Any]:
     """Every method at ``world`` ranks in fresh processes; per method, per repeat, per rank."""
+    return spawn(_worker, world, args)
+
+
+def spawn(worker: Any, world: int, args: argparse.Namespace) -> Any:
+    """``worker(rank, world, port, args, queue)`` on ``world`` fresh processes (glibc told to map every
+    block of 128 KiB or more on its own, see the module docstring); what rank 0 puts on the queue."""
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD  # read by the workers' malloc at start
     try:
-        ctx_procs = mp.start_processes(_worker, args=(world, _port(), args, q), nprocs=world,
-                                       start_method="spawn", join=False)
+        procs = mp.start_processes(worker, args=(world, _port(), args, q), nprocs=world, start_method="spawn",
+                                   join=False)
     finally:
         if saved is None:
             os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
@@ -325,7 +331,7 @@ def run(world: int, args: argparse.Namespace) -> dict[str, Any]:
     while True:  # a worker that fails raises here (ProcessRaisedException) instead of leaving q empty
         if res is None and not q.empty():
             res = q.get()
-        if ctx_procs.join(timeout=1):
+        if procs.join(timeout=1):
             break
     if res is None:
         res = q.get()

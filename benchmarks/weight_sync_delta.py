@@ -83,13 +83,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from .weight_sync import _MMAP_THRESHOLD, _measure, _port, build_model, model_config
+from .weight_sync import _MMAP_THRESHOLD, _measure, build_model, model_config, spawn
 
 __all__ = ["main", "render", "run_local", "run_hosts"]
 
@@ -307,27 +306,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) 
 
 def run_local(world: int, args: argparse.Namespace) -> dict[str, Any]:
     """The delta mode at ``world`` ranks on loopback, in fresh processes."""
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD  # read by the workers' malloc at start
-    try:
-        procs = mp.start_processes(_worker, args=(world, _port(), args, q), nprocs=world, start_method="spawn",
-                                   join=False)
-    finally:
-        if saved is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
-    res = None
-    while True:  # a worker that fails raises here (ProcessRaisedException) instead of leaving q empty
-        if res is None and not q.empty():
-            res = q.get()
-        if procs.join(timeout=1):
-            break
-    if res is None:
-        res = q.get()
-    return res
+    return cast(dict[str, Any], spawn(_worker, world, args))
 
 
 def _torchrun_main(spec_path: str) -> None:
