@@ -148,7 +148,13 @@ def iter_full_optimizer_state(
     Returns:
         Iterator[list[tuple[str, dict]]]: on rank 0 one list per bucket (possibly empty) of
         ``(fqn, {key: full CPU tensor or value})``; ``[]`` per bucket on the other ranks. Every
-        rank must exhaust the iterator (it runs collectives).
+        rank must exhaust the iterator (it runs collectives). When the code consuming it fails on
+        one rank, pass the error in with ``iterator.throw(exc)``: every rank then raises it. A
+        consumer that leaves the stream early on one rank (its code raises, it breaks out of its
+        loop, or it calls ``close()``: the iterator is closed, at the latest when it is dropped)
+        still takes part in the stream's next agreement, so every other rank raises a
+        RuntimeError naming that rank within a bucket, never at a process-group timeout; the
+        leaving rank goes on with its own error, or none.
 
     Raises:
         ValueError: on every rank, when the optimizer holds a parameter the model lacks, a state
@@ -206,16 +212,20 @@ def _iter_state(entries: list[tuple[str, Any, Any]], bucket_bytes: int, retained
     buckets = cast(Generator[list[tuple[str, torch.Tensor]], None, None],  # collect/distribute are generators (annotated Iterator in the engine)
                    _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained, failed=failed,
                                                   arguments=arguments))
-    for bucket in buckets:
-        try:
-            arrived.update(bucket)
-            done = advance(arrived) if rank0 else []
-        except Exception as e:  # noqa: BLE001 - agreed by the engine: every rank raises it
-            buckets.throw(e)
-        try:
-            yield done
-        except Exception as e:  # noqa: BLE001 - the caller's .throw(e), agreed likewise
-            buckets.throw(e)
+    try:
+        for bucket in buckets:
+            try:
+                arrived.update(bucket)
+                done = advance(arrived) if rank0 else []
+            except Exception as e:  # noqa: BLE001 - agreed by the engine: every rank raises it
+                buckets.throw(e)
+            try:
+                yield done
+            except Exception as e:  # noqa: BLE001 - the caller's .throw(e), agreed likewise
+                buckets.throw(e)
+    except GeneratorExit:  # the consumer left (close(), or a break or an error dropped the iterator)
+        buckets.close()  # the engine's next agreement, now: every other rank raises, naming this rank
+        raise
     if rank0 and cursor < len(entries):  # trailing non-tensor values
         yield advance(arrived)
 

@@ -284,7 +284,12 @@ def iter_full_state_dict(
         Iterator[list[tuple[str, torch.Tensor]]]: non-empty buckets on rank 0, ``[]`` elsewhere.
         Every rank must exhaust the iterator (it runs collectives). When the code consuming it
         fails on one rank (a write), pass the error in with ``iterator.throw(exc)``: every rank
-        then raises it (see ``docs/failure_model.md``).
+        then raises it (see ``docs/failure_model.md``). A consumer that leaves the stream early
+        on one rank (its code raises, it breaks out of its loop, or it calls ``close()``: the
+        iterator is closed, at the latest when it is dropped) still takes part in the stream's
+        next agreement, so every other rank raises a RuntimeError naming that rank within a
+        bucket, never at a process-group timeout; the leaving rank goes on with its own error, or
+        none.
 
     Raises:
         TypeError: on every rank, when ``model`` is not an ``nn.Module``.
@@ -321,11 +326,15 @@ def _stream_state(model: nn.Module, bucket_bytes: int | None, adapter_weights_on
     buckets = cast(Generator[list[tuple[str, torch.Tensor]], None, None],  # collect/distribute are generators (annotated Iterator in the engine)
                    _engine.collect(items, bucket_bytes=bucket_bytes, retained=retained, failed=error,
                                                   arguments=arguments))
-    for bucket in buckets:
-        try:
-            yield [(k, t) for fqn, t in bucket for k in (fqn, *groups.get(fqn, ()))]
-        except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the engine
-            buckets.throw(e)
+    try:
+        for bucket in buckets:
+            try:
+                yield [(k, t) for fqn, t in bucket for k in (fqn, *groups.get(fqn, ()))]
+            except Exception as e:  # noqa: BLE001 - the caller's .throw(e): agreed by the engine
+                buckets.throw(e)
+    except GeneratorExit:  # the consumer left (close(), or a break or an error dropped the iterator)
+        buckets.close()  # the engine's next agreement, now: every other rank raises, naming this rank
+        raise
 
 
 def gather_cpu_state_dict(
