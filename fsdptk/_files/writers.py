@@ -5,7 +5,8 @@
 - :func:`writer_ranks`: the ranks that write. ``W`` ranks spread evenly over the world
   (``[w * N // W]``: with ranks numbered host by host, as ``torchrun`` does, ``W`` = hosts gives one
   per host), or ``"host"``: the lowest rank of every host. Agreed with one object exchange, which
-  also checks every rank passed the same value.
+  also checks every rank passed the same value; :func:`spread_ranks` is the same answer from
+  every rank's host where a caller's own exchange agreed them (a weight source's ``owners``).
 - :func:`file_groups`: files that must have one writer. A model tensor is gathered whole by one
   writer, which writes every checkpoint tensor it splits into (the Hub layout of a fused MoE
   tensor) and every checkpoint tensor assembled from it and others (a ``Chunk``); so the files of
@@ -32,7 +33,7 @@ from fsdptk._engine.gather import Holdings
 from fsdptk._engine.layouts import box_shape
 from fsdptk._engine.wire import nbytes
 
-__all__ = ["WriterAssignment", "assign_files", "file_groups", "shard_limit", "writer_ranks"]
+__all__ = ["WriterAssignment", "assign_files", "file_groups", "shard_limit", "spread_ranks", "writer_ranks"]
 
 SHARE_SLACK = 1.25  # a writer may take a group up to this multiple of the even share for locality
 
@@ -82,13 +83,32 @@ def writer_ranks(writers: int | str) -> list[int]:
     views = all_gather_object(_WritersView(writers=describe(writers), host=host_key(), error=error_payload(error)))
     check_arguments([ArgumentsView(call="writer_ranks", values=(("writers", v.writers),)) for v in views])
     raise_lowest([v.error for v in views], error)
+    return spread_ranks(writers, [v.host for v in views])
+
+
+def spread_ranks(writers: int | str, hosts: Sequence[str]) -> list[int]:
+    """The writer ranks of a checked ``writers`` argument, given every rank's host (``hosts[r]``):
+    no communication (what :func:`writer_ranks` returns once it has agreed them).
+
+    Args:
+        writers: how many (spread evenly over the ranks: ``[w * N // W for w in range(W)]``), or
+            ``"host"``: the lowest rank of every host.
+        hosts: per rank, its host (host name and network namespace).
+
+    Returns:
+        list[int]: the writer ranks, ascending; rank 0 is always the first.
+
+    Examples:
+        >>> spread_ranks(2, ["a"] * 4), spread_ranks("host", ["a", "a", "b", "b"])
+        ([0, 2], [0, 2])
+    """
     if writers == "host":
         first: dict[str, int] = {}
-        for r, v in enumerate(views):
-            first.setdefault(v.host, r)
+        for r, host in enumerate(hosts):
+            first.setdefault(host, r)
         return sorted(first.values())
     assert isinstance(writers, int)
-    return [w * world // writers for w in range(writers)]
+    return [w * len(hosts) // writers for w in range(writers)]
 
 
 FILES_PER_WRITER = 4  # a save with W writers has about this many files per writer at least

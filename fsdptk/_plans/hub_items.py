@@ -11,8 +11,9 @@ source's owners).
   Hub layout (transformers' rules run backwards), quantized as ``save_safetensors(quantize=...)``
   writes it (:mod:`fsdptk._plans.quant_save` choosing the tensors);
 - :func:`plan_items`: all of it for a weight source, and for PEFT models the adapter tensors alone
-  or the LoRA factors to merge into their base weights (:class:`Merge`: PEFT's own
-  ``merge_and_unload`` arithmetic for ``lora.Linear`` and for ``ParamWrapper`` on fused experts).
+  or the LoRA factors to merge into their base weights (:mod:`fsdptk._plans.lora_merge`: PEFT's
+  own ``merge_and_unload`` arithmetic for ``lora.Linear`` and for ``ParamWrapper`` on fused
+  experts).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from torch import nn
 from fsdptk._core.names import tie_groups
 from fsdptk._engine.layouts import box_shape, full_box
 from fsdptk._engine.sources.convert import ConversionProblem, Node
+from fsdptk._plans.lora_merge import Merge, lora_merges
 from fsdptk.conversions import Conversion, ConversionArg
 from fsdptk.errors import ConversionError
 
-__all__ = ["Items", "Merge", "Plan", "SaveLayout", "adapter_items", "plan_items", "quantized_layout",
+__all__ = ["Items", "Plan", "SaveLayout", "adapter_items", "plan_items", "quantized_layout",
            "resolve_save", "save_items", "save_layout"]
 
 Items = list[tuple[str, torch.Tensor]]
@@ -49,9 +51,7 @@ def save_items(model: nn.Module, tied: str, dtype: torch.dtype | None
     sd = model.state_dict(keep_vars=True)
     skip = {k for g in tie_groups(model) for k in g[1:]} if tied == "omit" else set()
     items = [(k, t) for k, t in sd.items() if k not in skip]
-    dtypes = {k: dtype if (dtype is not None and t.dtype.is_floating_point) else t.dtype
-              for k, t in items}
-    return items, dtypes
+    return items, _file_dtypes(items, dtype)
 
 
 def adapter_items(model: nn.Module, adapter_name: str) -> tuple[Items, dict[str, str], dict[str, torch.dtype]]:
@@ -154,48 +154,6 @@ def quantized_layout(model: Any, conversion: ConversionArg, *, quantize: str | N
 # ----------------------------------------------------------------------------------------------
 # a weight source's plan
 @dataclass(frozen=True)
-class Merge:
-    """One LoRA layer of the active adapter, merged into its base weight as PEFT's ``merge_and_unload``
-    does (``W += get_delta_weight()``), in PEFT's own op order and dtypes, so the merged tensor is
-    PEFT's bit for bit.
-
-    ``lora.Linear`` (``wrapper=False``): the delta is ``(B @ A) * scaling`` in B's dtype (computed in
-    float32 for half-precision factors, as PEFT does on CPU), added in place (the sum in the
-    promoted dtype, stored in W's). PEFT's ``ParamWrapper`` (``wrapper=True``, ``target_parameters``):
-    with ``experts == 1`` (a 2-D parameter) the same product; on fused experts (``E = experts > 1``)
-    A is ``(r * E, in)`` (expert ``e``'s block: rows ``e * r`` to ``e * r + r - 1``) and B
-    ``(out, r * E)`` (expert ``e``'s block: columns ``e, E + e, 2E + e, ...``, PEFT's
-    ``reshape(out, r, E)``), and the delta is PEFT's ``einsum`` of them in the factors' dtype times
-    ``scaling``: ``(E, out, in)`` when ``swapped`` (transformers' experts stored ``(E, out, in)``),
-    else ``(E, in, out)``. A wrapper's delta is cast to W's dtype before the addition."""
-
-    a: str  # lora_A key
-    b: str  # lora_B key
-    scaling: float
-    wrapper: bool = False  # a ParamWrapper (LoRA on a parameter), not lora.Linear
-    experts: int = 1  # the wrapper's num_experts
-    swapped: bool = False  # the wrapped parameter is (E, out, in)
-
-    def merged(self, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """``weight`` with this layer's delta from the full factors ``a`` and ``b`` added (a new
-        tensor of ``weight``'s dtype and shape)."""
-        if self.experts == 1:
-            dtype = b.dtype
-            if dtype in (torch.float16, torch.bfloat16):
-                delta = ((b.float() @ a.float()) * self.scaling).to(dtype)
-            else:
-                delta = (b @ a) * self.scaling
-        else:
-            a3 = a.reshape(self.experts, -1, a.shape[-1])  # (E, r, in)
-            b3 = b.reshape(b.shape[0], -1, self.experts)  # (out, r, E)
-            spec = "o r e, e r i -> e o i" if self.swapped else "o r e, e r i -> e i o"
-            delta = torch.einsum(spec, b3, a3) * self.scaling
-        if self.wrapper:
-            delta = delta.to(weight.dtype)
-        return (weight + delta).to(weight.dtype)
-
-
-@dataclass(frozen=True)
 class Plan:
     """The same on every rank (the model's structure; checked with a fingerprint)."""
 
@@ -221,6 +179,10 @@ def plan_items(model: nn.Module, *, conversion: Any, dtype: torch.dtype | None, 
     with ``quantize`` (``adapters=None`` only, checked by the caller) the Hub layout of
     ``save_safetensors(quantize=quantize, block_size=block_size, quantize_if=quantize_if)``.
 
+    Planned top down: the mode's Hub layout over every tensor it may gather (conversion,
+    quantization, adapters), the Hub tensors each makes, then the items (a tied tensor once, under
+    its canonical key, as :func:`save_items` gathers it) and their Hub tensors in order.
+
     Raises:
         TypeError: ``adapters`` given for a model without a PEFT adapter; ``quantize_if`` returned
             something other than a bool.
@@ -228,27 +190,23 @@ def plan_items(model: nn.Module, *, conversion: Any, dtype: torch.dtype | None, 
         NotImplementedError: ``adapters="merged"`` on anything but plain LoRA on linear layers and
             PEFT's ``ParamWrapper`` (LoRA on a parameter, e.g. fused MoE experts), named.
         ConversionError: transformers' save layout does not convert back (as ``save_safetensors``).
-    """
-    merges: dict[str, Merge] = {}
-    written: dict[str, torch.dtype] = {}
-    quantization_config: dict[str, Any] | None = None
-    if adapters is None:
-        items, dtypes = save_items(model, "omit", dtype)
-        layout = quantized_layout(model, conversion, quantize=quantize, block_size=block_size,
-                                  quantize_if=quantize_if, dtype=dtype)
-        nodes, written, quantization_config = layout.nodes, dict(layout.written), layout.quantization_config
-        conv_key = {k: k for k, _ in items}
-    elif adapters == "only":
-        from fsdptk._plans import peft as _peft
 
-        names = _peft.adapter_file_names(model, _active_adapter(model))
-        sd = model.state_dict(keep_vars=True)
-        items = [(fqn, sd[fqn]) for fqn in names.values()]
-        dtypes = {k: dtype if (dtype is not None and t.dtype.is_floating_point) else t.dtype for k, t in items}
-        conv_key = {fqn: key for key, fqn in names.items()}
-        nodes = None
-    else:
-        items, dtypes, conv_key, nodes, merges = _merged(model, conversion, dtype)
+    Examples:
+        >>> import torch
+        >>> m = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 3), "b": torch.nn.Linear(2, 3)})
+        >>> m.b.weight = m.a.weight  # tied: gathered once, under its canonical key
+        >>> plan, items = plan_items(m, conversion=None, dtype=torch.bfloat16, adapters=None)
+        >>> plan.hub  # doctest: +NORMALIZE_WHITESPACE
+        [('a.weight', torch.bfloat16, (3, 2)), ('a.bias', torch.bfloat16, (3,)),
+         ('b.bias', torch.bfloat16, (3,))]
+    """
+    layout = _layout(model, conversion, dtype, adapters, quantize, block_size, quantize_if)
+    made = _hub_shapes(layout.nodes)
+    aliases = {k for g in tie_groups(model) for k in g[1:]} if layout.once else set()
+    items = [(k, t) for k, t in layout.items if k not in aliases]
+    dtypes = {k: d for k, d in layout.dtypes.items() if k not in aliases}
+    conv_key = {k: layout.conv_key[k] for k, _ in items if k in layout.conv_key}
+    merges, written = layout.merges, layout.written
     lora = frozenset(k for m in merges.values() for k in (m.a, m.b))
     base_of = {k: base for base, m in merges.items() for k in (m.a, m.b)}
     item_hub: dict[str, list[str]] = {}
@@ -257,11 +215,7 @@ def plan_items(model: nn.Module, *, conversion: Any, dtype: torch.dtype | None, 
         if key in lora:
             continue
         ck = conv_key[key]
-        if nodes is not None:
-            node = nodes[ck]
-            names_here = [(leaf, box_shape(box)) for leaf, box in node.leaves(full_box(node.shape))]
-        else:
-            names_here = [(ck, tuple(t.shape))]
+        names_here = made[ck] if made is not None else [(ck, tuple(t.shape))]
         item_hub[key] = list(dict.fromkeys(n for n, _ in names_here))
         for name, shape in names_here:
             pieces[name] = (written.get(name, dtypes[key]), pieces[name][1] if name in pieces else shape, i)
@@ -271,10 +225,62 @@ def plan_items(model: nn.Module, *, conversion: Any, dtype: torch.dtype | None, 
     hub_order = sorted(pieces, key=lambda n: (pieces[n][2], first[n]))
     hub = [(n, pieces[n][0], pieces[n][1]) for n in hub_order]
     plan = Plan(keys=[k for k, _ in items], shapes=[tuple(t.shape) for _, t in items],
-                model_dtypes={k: t.dtype for k, t in items}, dtypes=dtypes, conv_key=conv_key, nodes=nodes,
+                model_dtypes={k: t.dtype for k, t in items}, dtypes=dtypes, conv_key=conv_key, nodes=layout.nodes,
                 item_hub=item_hub, hub=hub, order={n: j for j, n in enumerate(hub_order)}, merges=merges,
-                lora=lora, written=written, quantization_config=quantization_config)
+                lora=lora, written=written, quantization_config=layout.quantization_config)
     return plan, items
+
+
+class _Layout(NamedTuple):
+    """One mode's Hub layout, over every tensor the mode may gather (a tied tensor's aliases too:
+    :func:`plan_items` drops them once the Hub tensors are known)."""
+
+    items: Items  # the mode's tensors, in order (LoRA factors just before their base weight)
+    dtypes: dict[str, torch.dtype]  # model key -> the dtype its Hub tensors are given in
+    conv_key: dict[str, str]  # model key -> its key in the conversion (its Hub name when none)
+    nodes: dict[str, Node] | None  # conversion key -> node over the Hub layout (None: names as they are)
+    merges: dict[str, Merge]  # base weight key -> the LoRA layer merged into it
+    written: dict[str, torch.dtype]  # Hub name -> its own dtype (quantized weights, scales)
+    quantization_config: dict[str, Any] | None  # the release's config.json entry (None: unquantized)
+    once: bool  # a tied tensor once (the model's own tensors); False: PEFT's file keys, as they are
+
+
+def _layout(model: nn.Module, conversion: Any, dtype: torch.dtype | None, adapters: str | None,
+            quantize: str | None, block_size: Any, quantize_if: Any) -> _Layout:
+    """The Hub layout of ``adapters`` ``None`` (the model's tensors, converted and quantized as a
+    save writes them), ``"only"`` (the active adapter under PEFT's names) or ``"merged"``."""
+    if adapters is None:
+        saved = quantized_layout(model, conversion, quantize=quantize, block_size=block_size,
+                                 quantize_if=quantize_if, dtype=dtype)
+        every = list(model.state_dict(keep_vars=True).items())
+        return _Layout(every, _file_dtypes(every, dtype), {k: k for k, _ in every}, saved.nodes, {},
+                       dict(saved.written), saved.quantization_config, once=True)
+    if adapters == "only":
+        from fsdptk._plans import peft as _peft
+
+        names = _peft.adapter_file_names(model, _active_adapter(model))
+        sd = model.state_dict(keep_vars=True)
+        items = [(fqn, sd[fqn]) for fqn in names.values()]
+        return _Layout(items, _file_dtypes(items, dtype), {fqn: key for key, fqn in names.items()}, None, {}, {},
+                       None, once=False)
+    return _merged(model, conversion, dtype)
+
+
+def _file_dtypes(items: Items, dtype: torch.dtype | None) -> dict[str, torch.dtype]:
+    """Model key -> the dtype a save writes it in: ``dtype`` for a floating tensor (when given),
+    else its own."""
+    return {k: dtype if (dtype is not None and t.dtype.is_floating_point) else t.dtype for k, t in items}
+
+
+def _hub_shapes(nodes: dict[str, Node] | None) -> dict[str, list[tuple[str, tuple[int, ...]]]] | None:
+    """Conversion key -> the Hub tensors its node makes, each with the shape of the node's piece of
+    it, in the node's order; ``None`` without a conversion (each key is its own Hub name)."""
+    if nodes is None:
+        return None
+    out: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for ck, node in nodes.items():
+        out[ck] = [(leaf, box_shape(box)) for leaf, box in node.leaves(full_box(node.shape))]
+    return out
 
 
 def _active_adapter(model: nn.Module) -> str:
@@ -296,22 +302,21 @@ def _active_adapter(model: nn.Module) -> str:
     return str(active)
 
 
-def _merged(model: nn.Module, conversion: Any, dtype: torch.dtype | None
-            ) -> tuple[Items, dict[str, torch.dtype], dict[str, str], dict[str, Node] | None,
-                       dict[str, Merge]]:
+def _merged(model: nn.Module, conversion: Any, dtype: torch.dtype | None) -> _Layout:
     """``adapters="merged"``: the base weights under the base names (LoRA factors placed just
-    before the weight they merge into) and the conversion of the base model's Hub layout."""
+    before the weight they merge into) and the conversion of the base model's Hub layout, over
+    every base key (a tied tensor's aliases too, as a save of the base model lays them out)."""
     from fsdptk._plans import peft as _peft
 
     adapter = _active_adapter(model)
     found = _peft.base_names(model)
     assert found is not None, "a PEFT model (checked by _active_adapter)"
     base_key, _ = found
-    merges = _lora_merges(model, adapter)
-    every, dtypes = save_items(model, "omit", dtype)
+    merges = lora_merges(model, adapter)
     sd = model.state_dict(keep_vars=True)
+    dtypes = _file_dtypes(list(sd.items()), dtype)
     items: Items = []
-    for key, t in every:
+    for key, t in sd.items():
         if key not in base_key:
             continue
         if key in merges:
@@ -324,74 +329,4 @@ def _merged(model: nn.Module, conversion: Any, dtype: torch.dtype | None
     base = get_base() if callable(get_base) else model
     shapes = {base_key[k]: (tuple(t.shape), t.dtype) for k, t in items if k in base_key}
     nodes = resolve_save(base, conversion, shapes)
-    return items, dtypes, conv_key, nodes, merges
-
-
-def _lora_merges(model: nn.Module, adapter: str) -> dict[str, Merge]:
-    """``{base weight key: Merge}`` of every LoRA layer of ``adapter``: plain LoRA on linear layers
-    and PEFT's ``ParamWrapper`` (LoRA on a parameter, e.g. fused MoE experts; nested wrappers each
-    merge into their own parameter).
-
-    Raises:
-        NotImplementedError: a tuner or layer that is neither (named, with the reason).
-    """
-    from peft.tuners.lora import LoraLayer
-    from peft.tuners.lora.layer import ParamWrapper
-
-    config = getattr(model, "peft_config", {}).get(adapter)
-    kind = str(getattr(getattr(config, "peft_type", None), "value", getattr(config, "peft_type", None)))
-    if kind != "LORA":
-        raise NotImplementedError(f"adapters='merged' merges LoRA adapters; adapter {adapter!r} is {kind} "
-                                  "(use adapters='only')")
-    out: dict[str, Merge] = {}
-    for name, mod in model.named_modules():
-        if not isinstance(mod, LoraLayer) or adapter not in getattr(mod, "lora_A", {}):
-            continue
-        factors = (f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight", float(mod.scaling[adapter]))
-        if isinstance(mod, ParamWrapper):
-            key, merge = _wrapper_merge(name, mod, factors)
-            out[key] = merge
-            continue
-        base = mod.get_base_layer()
-        why = None
-        if type(base) is not nn.Linear:
-            why = f"its base layer is {type(base).__name__}, not torch.nn.Linear"
-        elif getattr(mod, "use_dora", {}).get(adapter, False):
-            why = "it uses DoRA"
-        elif getattr(mod, "fan_in_fan_out", False):
-            why = "it has fan_in_fan_out=True"
-        elif getattr(mod, "lora_bias", {}).get(adapter, False):
-            why = "it has a LoRA bias"
-        elif getattr(mod, "merged_adapters", []):
-            why = f"adapters {mod.merged_adapters} are already merged into it"
-        if why is not None:
-            raise NotImplementedError(f"adapters='merged': LoRA layer {name!r}: {why}; fsdptk merges plain LoRA "
-                                      "on linear layers and PEFT's ParamWrapper (target_parameters) "
-                                      "(use adapters='only' for this model)")
-        out[f"{name}.base_layer.weight"] = Merge(*factors)
-    return out
-
-
-def _wrapper_merge(name: str, mod: Any, factors: tuple[str, str, float]) -> tuple[str, Merge]:
-    """The wrapped parameter's key (under every nested wrapper's ``base_layer``) and its
-    :class:`Merge`, read as PEFT 0.21's ``ParamWrapper.update_layer`` / ``get_delta_weight`` do.
-
-    Raises:
-        NotImplementedError: adapters already merged into it, or a parameter dtype PEFT merges
-            through its low-precision path (float8), named.
-    """
-    path, inner = name, mod
-    while hasattr(inner, "base_layer"):
-        path, inner = f"{path}.base_layer", inner.base_layer
-    param = getattr(inner, mod.parameter_name)
-    why = None
-    if getattr(mod, "merged_adapters", []):
-        why = f"adapters {mod.merged_adapters} are already merged into it"
-    elif param.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        why = f"its parameter {mod.parameter_name!r} is {param.dtype} (PEFT merges it in higher precision)"
-    if why is not None:
-        raise NotImplementedError(f"adapters='merged': PEFT ParamWrapper {name!r}: {why}; use adapters='only' "
-                                  "for this model")
-    swapped = param.dim() == 3 and not getattr(inner, "is_transposed", False)
-    return f"{path}.{mod.parameter_name}", Merge(*factors, wrapper=True, experts=int(mod.num_experts),
-                                                 swapped=swapped)
+    return _Layout(items, dtypes, conv_key, nodes, merges, {}, None, once=True)

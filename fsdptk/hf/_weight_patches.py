@@ -6,7 +6,7 @@ owner in a gather (one holder per distinct box: :func:`fsdptk._engine.choose_sen
 pieces of the Hub tensors in that box, cast to the wire dtype: what the engine last received. A
 patch pass compares each such piece with the current weights cast the same way, bit for bit, maps
 the changed positions to flat indices of the whole Hub tensor (the conversion's nodes say where a
-box of a model tensor lands in each Hub tensor: :func:`fsdptk.hf._weight_meta.box_pieces`), and
+box of a model tensor lands in each Hub tensor: :func:`fsdptk._plans.hub_pieces.box_pieces`), and
 sends the owner only those indices (int32) and values. The owner merges the pieces of a name into
 one ascending patch.
 
@@ -35,15 +35,13 @@ from fsdptk._core.compat import local_tensor
 from fsdptk._core.dist import all_gather_object, comm_device, comm_errors, error_payload, raise_lowest
 from fsdptk._engine.agree import Status
 from fsdptk._engine.layouts import Box, box_shape
-from fsdptk._engine.routes import Holdings, choose_senders
 from fsdptk._engine.wire import InFlight, Post, aligned, pack, unpack
 from fsdptk._plans.hub_items import Items, Plan
-from fsdptk.hf._weight_meta import box_pieces, splittable
+from fsdptk._plans.hub_pieces import box_pieces
+from fsdptk._plans.source_plan import Ownership, Part
 
-__all__ = ["Tracker", "PatchCounts", "MAX_PATCHABLE", "patch_bytes", "positions", "changed_positions", "hub_flat",
-           "merge_parts"]
+__all__ = ["Tracker", "PatchCounts", "patch_bytes", "positions", "changed_positions", "hub_flat", "merge_parts"]
 
-MAX_PATCHABLE = 2**31  # int32 flat indices: a Hub tensor must have fewer elements
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -52,14 +50,6 @@ class PatchCounts(NamedTuple):
 
     error: Any  # error_payload of its failure so far (a NaN, a changed shape), or None
     counts: dict[str, int]  # Hub name -> the number of elements this rank sends for it (> 0 only)
-
-
-class Part(NamedTuple):
-    """One holder's piece of one Hub tensor, as every rank derives it from the agreed boxes."""
-
-    sender: int  # the rank that keeps its baseline and sends its changes
-    item: int  # the model tensor (index in the plan's keys) it is cut from
-    box: Box  # its box in the Hub tensor
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -194,44 +184,18 @@ class _Diff:
 class Tracker:
     """One source's baseline on this rank, and the agreed plan of who compares what.
 
-    Built from what every rank agreed (the plan, each rank's boxes, the owners), so every rank
-    derives the same parts and the same gathered names without communication.
+    The plan (:class:`fsdptk._plans.source_plan.TrackPlan`: the parts each holder compares, the
+    names compared whole on their owner) is made on every rank from what every rank agreed, so
+    every rank has the same without communication; here each rank keeps its own parts' baseline.
     """
 
-    def __init__(self, plan: Plan, boxes: list[list[Box | None]], plain: list[list[bool]], hosts: list[str],
-                 owners: dict[str, tuple[int, ...]], dests: list[list[int]], rank: int) -> None:
-        self.plan, self.rank, self.owners = plan, rank, owners
-        self.own_boxes = boxes[rank]
-        covering: dict[str, list[int]] = {}
-        for i, k in enumerate(plan.keys):
-            for name in plan.item_hub[k]:
-                covering.setdefault(name, []).append(i)
-        local_items: set[int] = set()
-        for i, k in enumerate(plan.keys):
-            if k in plan.merges or k in plan.lora:
-                continue
-            node = plan.nodes.get(plan.conv_key[k]) if plan.nodes is not None else None
-            if (any(name in plan.written for name in plan.item_hub[k]) or not all(p[i] for p in plain)
-                    or (node is not None and not splittable(node))
-                    or any(len(covering[name]) != 1 for name in plan.item_hub[k])):
-                continue
-            local_items.add(i)
-        self.gathered: set[str] = {name for name, _, _ in plan.hub
-                                   if not any(i in local_items for i in covering.get(name, []))}
-        sends = choose_senders(Holdings(boxes=boxes, hosts=hosts), [d[0] for d in dests])
-        shapes = {name: shape for name, _, shape in plan.hub}
-        self.parts: dict[str, list[Part]] = {}
-        for i in sorted(local_items):
-            k = plan.keys[i]
-            node = plan.nodes.get(plan.conv_key[k]) if plan.nodes is not None else None
-            for r, row in enumerate(sends):
-                box = row[i]
-                if box is None or 0 in box_shape(box):
-                    continue
-                leaves = node.leaves(box) if node is not None else [(plan.conv_key[k], box)]
-                for name, hub_box in leaves:
-                    if name in shapes and 0 not in box_shape(hub_box):
-                        self.parts.setdefault(name, []).append(Part(r, i, hub_box))
+    def __init__(self, plan: Plan, layout: Ownership, rank: int) -> None:
+        track = layout.track
+        assert track is not None, "planned with track_changes=True"
+        self.plan, self.rank, self.owners = plan, rank, layout.owners
+        self.own_boxes = layout.boxes
+        self.gathered: set[str] = track.gathered
+        self.parts: dict[str, list[Part]] = track.parts
         self.mine = {name: [p for p in ps if p.sender == rank] for name, ps in self.parts.items()}
         self.mine = {name: ps for name, ps in self.mine.items() if ps}
         self.base: dict[tuple[str, int], torch.Tensor] = {}  # (Hub name, item) -> this rank's piece
@@ -332,16 +296,6 @@ class Tracker:
             if sel.numel():
                 old = self.uncertain.get(key)
                 self.uncertain[key] = sel if old is None else torch.unique(torch.cat([old, sel]))
-
-
-def check_patchable(plan: Plan) -> None:
-    """Refuse a Hub tensor of ``2**31`` or more elements (int32 indices), naming it."""
-    for name, _, shape in plan.hub:
-        n = math.prod(shape)
-        if n >= MAX_PATCHABLE:
-            raise ValueError(f"weight_source(track_changes=True): the Hub tensor {name!r} has {n} elements "
-                             f"(shape {tuple(shape)}), and patches address it with int32 flat indices "
-                             f"(fewer than 2**31 elements); stream it with iter_full instead")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,20 +28,13 @@ from fsdptk._core.compat import local_tensor
 from fsdptk._core.dist import all_gather_object, error_payload, host_key, raise_if_any, raise_lowest
 from fsdptk._core.dist import world as _world
 from fsdptk._engine.agree import fingerprint
-from fsdptk._engine.layouts import Box
 from fsdptk._engine.sources.convert import Unconverter
-from fsdptk._plans.hub_items import Items, Plan, plan_items
-from fsdptk.hf._weight_layout import Ownership, SourceView, assign, check, held, raise_disagreement
-from fsdptk.hf._weight_meta import (
-    ParamMeta,
-    RecordTypes,
-    SparseWeightPatch,
-    box_pieces,
-    patch_type,
-    record_types,
-    splittable,
-)
-from fsdptk.hf._weight_patches import Tracker, check_patchable, patch_pass
+from fsdptk._plans.hub_items import Items, Plan
+from fsdptk._plans.hub_pieces import box_pieces, splittable
+from fsdptk._plans.source_plan import Held, Ownership, ownership, plan_source
+from fsdptk.hf._weight_layout import SourceView, check, raise_disagreement
+from fsdptk.hf._weight_meta import ParamMeta, RecordTypes, SparseWeightPatch, patch_type, record_types
+from fsdptk.hf._weight_patches import Tracker, patch_pass
 
 __all__ = ["weight_source", "HubWeightSource", "ParamMeta", "SparseWeightPatch"]
 
@@ -595,9 +588,7 @@ def weight_source(
                                block_size=block_size, quantize_if=quantize_if, track_changes=track_changes)
     error: BaseException | None = None
     plan: Plan | None = None
-    boxes: list[Box | None] = []
-    plain: list[bool] = []
-    meshes: list[tuple[int, ...] | None] = []
+    holding = Held([], [], [])
     nbytes = 0
     types: RecordTypes | None = None
     patch_cls: type | None = None
@@ -613,24 +604,24 @@ def weight_source(
         types = record_types()  # what this rank can import of vLLM: agreed in the exchange below
         nbytes = check(model, conversion, dtype, owners, bucket_bytes, adapters, quantize, block_size, quantize_if,
                        world)
-        plan, items = plan_items(model, conversion=conversion, dtype=dtype, adapters=adapters, quantize=quantize,
-                                 block_size=block_size, quantize_if=quantize_if)
-        boxes, plain, meshes = held(items, world)
+        plan, holding = plan_source(model, conversion=conversion, dtype=dtype, adapters=adapters, quantize=quantize,
+                                    block_size=block_size, quantize_if=quantize_if, world=world,
+                                    track_changes=track_changes)
         if track_changes:
-            check_patchable(plan)
             patch_cls = patch_type(types)
     except Exception as e:  # noqa: BLE001 - raised on every rank after the exchange
         error = e
     fp = fingerprint([*((k, s) for k, s in zip(plan.keys, plan.shapes)), *plan.hub]) if plan is not None else None
     views = all_gather_object(SourceView(arguments=arguments, error=error_payload(error), fingerprint=fp,
-                                         boxes=boxes, plain=plain, meshes=meshes, host=host_key(),
+                                         boxes=holding.boxes, plain=holding.plain, meshes=holding.meshes,
+                                         host=host_key(),
                                          records=types.kind if types is not None else None))
     raise_lowest([v.error for v in views], error)
     raise_disagreement(views)
     assert plan is not None and types is not None, "planned on every rank (agreed just above)"
-    layout = assign(plan, views, owners, rank)
-    tracker = Tracker(plan, [v.boxes for v in views], [v.plain for v in views], [v.host for v in views],
-                      layout.owners, layout.dests, rank) if track_changes else None
+    layout = ownership(plan, owners, rank, [Held(v.boxes, v.plain, v.meshes) for v in views], [v.host for v in views],
+                       track_changes=track_changes)
+    tracker = Tracker(plan, layout, rank) if track_changes else None
     if types.base is None:
         return HubWeightSource(model, plan, layout, nbytes, types, keep_buffers, tracker, patch_cls)
     # an instance of vLLM's WeightSource (its __init_subclass__ checks the cached metadata)
