@@ -514,16 +514,18 @@ def test_local_positions_map_to_the_hub_tensors_flat_indices(case, data) -> None
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(0, 2**31 - 1), st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=12))
-def test_patches_round_trip_on_one_process(seed, edits) -> None:
+@given(st.integers(0, 2**31 - 1), st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=12),
+       st.sampled_from([None, 1000]))
+def test_patches_round_trip_on_one_process(seed, edits, bucket_bytes) -> None:
     """A model with fused experts (per-expert Hub tensors): random edits (bf16 rounding may hide
     some) patched into a copy of the first full pass equal the next full pass, and the indices are
-    exactly the elements whose bf16 bits changed."""
+    exactly the elements whose bf16 bits changed; also compared in chunks of a tiny bucket (1000
+    bytes: 333 bf16 elements, most pieces cut in many)."""
     from fsdptk.hf import weight_source
 
     torch.manual_seed(seed % 1000)
     model = transformers.AutoModelForCausalLM.from_config(_config("qwen3_moe"))
-    source = weight_source(model, dtype=torch.bfloat16, track_changes=True)
+    source = weight_source(model, dtype=torch.bfloat16, track_changes=True, bucket_bytes=bucket_bytes)
     engine = {n: t.clone() for n, t in source.iter_full()}
     before = {n: t.clone() for n, t in engine.items()}
     params = list(model.parameters())
@@ -603,3 +605,147 @@ def test_changed_positions_are_the_elements_whose_bits_differ(dtype, n, start, d
     a, b = new[start:], base[start:]
     want = (_bits(a) != _bits(b)).nonzero().squeeze(1)
     assert torch.equal(changed_positions(a, b), want)
+
+
+@st.composite
+def _views(draw):
+    """A tensor of 1-4 dims, any sizes, as a view of a larger one: permuted dims, a step, an offset."""
+    shape = draw(st.lists(st.integers(0, 7), min_size=1, max_size=4))
+    steps = [draw(st.integers(1, 2)) for _ in shape]
+    base = torch.arange(torch.Size([n * k + 1 for n, k in zip(shape, steps)]).numel())
+    t = base.view([n * k + 1 for n, k in zip(shape, steps)])
+    t = t[tuple(slice(1 if draw(st.booleans()) else 0, None, k) for k in steps)]
+    t = t[tuple(slice(0, n) for n in shape)]
+    return t.permute(draw(st.permutations(range(len(shape)))))
+
+
+@settings(max_examples=100, deadline=None)
+@given(_views(), st.integers(1, 40))
+def test_chunks_cover_a_view_in_order_each_within_the_bound(t, elements) -> None:
+    """The comparison's chunks: consecutive runs of the flat C order, none over ``elements``, each
+    a view (no copy), whatever the layout."""
+    from fsdptk.hf._weight_patches import chunks
+
+    flat = t.reshape(-1)
+    at = 0
+    for off, part in chunks(t, elements):
+        assert off == at and part.numel() <= elements
+        assert part.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()  # a view
+        assert torch.equal(part.reshape(-1), flat[off:off + part.numel()])
+        at += part.numel()
+    assert at == t.numel()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(24, 96), st.lists(st.tuples(st.integers(0, 2), st.integers(0, 10_000)), max_size=40),
+       st.booleans())
+def test_chunked_comparison_finds_exactly_the_changed_elements(bucket_bytes, edits, abandon) -> None:
+    """Pieces of every layout (contiguous fp32 and bf16, a transposed bf16 view whose rows exceed a
+    chunk) compared in chunks of a few elements: the patches are exactly the elements whose bits
+    changed, and after an abandoned pass also those it compared (8 to 32 elements a chunk)."""
+    from fsdptk.hf import weight_source
+
+    torch.manual_seed(len(edits))
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.randn(7, 45))
+    model.b = torch.nn.Parameter(torch.randn(37, 53).to(torch.bfloat16))
+    model.c = torch.nn.Parameter(torch.randn(53, 37).to(torch.bfloat16).t())  # rows of 53 elements, strided
+    source = weight_source(model, dtype=torch.bfloat16, bucket_bytes=bucket_bytes, track_changes=True)
+    params = [model.a, model.b, model.c]
+    before = {n: t.clone() for n, t in source.iter_full()}
+    sent: dict[str, set[int]] = {}
+    if abandon:  # a pass whose comparison ran and which its consumer left after the first patch
+        with torch.no_grad():
+            model.a[0, 0] += 1.0
+            model.c[36, 52] += 1.0
+        gen = source.iter_patches()
+        next(gen)
+        gen.close()
+        sent = {"a": {0}, "c": {36 * 53 + 52}}
+    with torch.no_grad():
+        for which, at in edits:
+            p = params[which]
+            p[at % p.shape[0], at // p.shape[0] % p.shape[1]] += 1.0
+    patches = {name: idx.tolist() for name, idx, _, _ in _rows(source.iter_patches())}
+    for n, t in source.iter_full():
+        changed = set((_bits(t) != _bits(before[n])).view(-1).nonzero().squeeze(1).tolist())
+        assert patches.get(n, []) == sorted(changed | sent.get(n, set())), n
+
+
+# ----------------------------------------------------------------------------------------------
+# the comparison's memory: chunks of a bucket, never a copy of a whole piece
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/self/status")
+
+
+def _compare_peaks(bucket_bytes: int) -> dict:
+    """On a replicated module of a contiguous fp32 matrix and a transposed bf16 one (bf16 wire):
+    the peak RSS above before of each comparison (RSS follows live memory: glibc maps every
+    block of 128 KiB or more on its own), and the positions sent after an abandoned pass."""
+    import ctypes
+    import gc
+
+    from fsdptk.hf import weight_source
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.b = torch.nn.Parameter(torch.randn(2048, 2048).to(torch.bfloat16).t())  # 8 MiB, not contiguous
+    model.a = torch.nn.Parameter(torch.randn(2048, 2048))  # 16 MiB fp32, last: its bf16 baseline is 8 MiB
+    source = weight_source(model, dtype=torch.bfloat16, bucket_bytes=bucket_bytes, track_changes=True)
+    tracker = source._tracker
+    out: dict = {}
+
+    def peak(fn):
+        gc.collect()
+        libc.malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to VmRSS
+        before = _status_bytes("VmRSS")
+        res = fn()
+        return _status_bytes("VmHWM") - before, res
+
+    out["fill"], _ = peak(lambda: tracker.diff(source._items(), patch=False))  # the baseline, made
+    out["baseline"] = sum(t.nbytes for t in tracker.base.values())
+    tracker.finish(False)
+    list(source.iter_full())  # completes: the baseline is what the engine holds
+    for _ in range(2):  # the first pass warms up (pages of code and of the process group's first use)
+        with torch.no_grad():
+            model.a[7, 11] += 1.0
+            model.b[2000, 3] += 1.0  # its storage is transposed: the Hub tensor's flat 2000 * 2048 + 3 all the same
+        dist.barrier()
+        out["patch"], rows = peak(lambda: [(p.name, p.indices.tolist()) for p in source.iter_patches()])
+    out["patches"] = rows
+    # an abandoned pass leaves positions uncertain: the next comparison sends them with what changed
+    uncertain = {key: torch.arange(5, base.numel(), 100_003, dtype=torch.int32) for key, base in tracker.base.items()}
+    tracker.uncertain = dict(uncertain)
+    with torch.no_grad():
+        model.a[2047, 2047] += 1.0
+    out["uncertain"], diffs = peak(lambda: tracker.diff(source._items(), patch=True))
+    out["sel"] = {key[0]: d.sel.tolist() for key, d in diffs.items()}
+    out["want"] = {key[0]: sorted(set(u.tolist()) | ({2047 * 2048 + 2047} if key[0] == "a" else set()))
+                   for key, u in uncertain.items()}
+    tracker.finish(True)
+    out["keys"] = sorted(key[0] for key in tracker.base)
+    return out
+
+
+def test_comparing_holds_a_chunk_of_a_bucket_never_a_whole_piece(world) -> None:
+    """Pieces 32 times a bucket (8 MiB of bf16 against 256 KiB): making the baseline costs the
+    baseline alone, and a patch pass (or the comparison after an abandoned pass) stays within 2 MiB
+    above it; a copy of a whole piece (8 MiB: the cast of ``a``, the contiguous copy of ``b``)
+    exceeds each bound. Measured on this test: 0.02 / 0.10 / 0.79 MiB (making / patch /
+    uncertain); with the whole-piece comparison it replaced, 7.9 / 8.9 / 11.9 MiB."""
+    bucket_bytes = 256 * 2**10
+    bound = 2 * 2**20
+    results = world(2).run(_compare_peaks, bucket_bytes, timeout=180)
+    assert sorted(k for r in results for k in r["keys"]) == ["a", "b"]  # one holder keeps each
+    assert results[0]["patches"] == [("b", [2000 * 2048 + 3]), ("a", [7 * 2048 + 11])], results[0]["patches"]
+    for rank, r in enumerate(results):
+        assert r["fill"] <= r["baseline"] + bound, (rank, r["fill"], r["baseline"])
+        assert r["patch"] <= bound, (rank, r["patch"])
+        assert r["uncertain"] <= bound, (rank, r["uncertain"])
+        assert r["sel"] == {k: v for k, v in r["want"].items() if v}, rank

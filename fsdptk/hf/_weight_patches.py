@@ -20,6 +20,14 @@ pass changes the baseline in place (every holder already has the pass's values),
 that pass could have changed at the engine (those it sent, or, for a full pass, those whose bits
 differed from the old baseline) are remembered as ``uncertain`` until a pass completes on every
 rank: the next patch pass sends them whatever their bits. Completing a pass forgets them.
+
+Memory. Comparing is done in chunks (:func:`chunks`) of at most ``bucket_bytes`` for a chunk in the
+wire dtype and its one-byte mask, whatever the piece's size: each chunk of the current weights is
+cast on its own (a view where no cast is needed), compared with the matching slice of the baseline,
+which is then updated in place. What a comparison keeps beyond a chunk is its positions (int32, 4
+bytes per element to send). The one whole copy left: a piece that
+:func:`~fsdptk._plans.hub_pieces.box_pieces` cuts with ``index_select`` (a concatenation whose box
+along that dim is a strided shard's scattered indices) is copied in the model's dtype first.
 """
 
 from __future__ import annotations
@@ -35,12 +43,13 @@ from fsdptk._core.compat import local_tensor
 from fsdptk._core.dist import all_gather_object, comm_device, comm_errors, error_payload, raise_lowest
 from fsdptk._engine.agree import Status
 from fsdptk._engine.layouts import Box, box_shape
-from fsdptk._engine.wire import InFlight, Post, aligned, pack, unpack
+from fsdptk._engine.wire import DEFAULT_BUCKET_BYTES, InFlight, Post, aligned, pack, unpack
 from fsdptk._plans.hub_items import Items, Plan
 from fsdptk._plans.hub_pieces import box_pieces
 from fsdptk._plans.source_plan import Ownership, Part
 
-__all__ = ["Tracker", "PatchCounts", "patch_bytes", "positions", "changed_positions", "hub_flat", "merge_parts"]
+__all__ = ["Tracker", "PatchCounts", "patch_bytes", "positions", "changed_positions", "chunks", "chunk_elements",
+           "hub_flat", "merge_parts"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -123,6 +132,69 @@ def changed_positions(new: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def chunk_elements(chunk_bytes: int, dtype: torch.dtype) -> int:
+    """How many elements a chunk of the comparison holds: its copy in the wire ``dtype`` and its
+    one-byte-per-element mask within ``chunk_bytes`` (at least one element).
+
+    Examples:
+        >>> import torch
+        >>> chunk_elements(16 * 2**20, torch.bfloat16)  # a bucket of the default 16 MiB, bf16 on the wire
+        5592405
+        >>> chunk_elements(2, torch.float32)
+        1
+    """
+    return max(1, chunk_bytes // (dtype.itemsize + 1))
+
+
+def chunks(t: torch.Tensor, elements: int, offset: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(flat offset, view)`` of consecutive runs of ``t``'s elements in C order, each of at most
+    ``elements`` elements, that together cover ``t`` once (views: nothing is copied). A contiguous
+    ``t`` is cut flat, at multiples of 8 elements (8-byte words of the baseline slices stay
+    aligned); any other in whole rows of dim 0 (a multiple of 8 rows where a chunk holds 8 or
+    more), a row larger than ``elements`` cut the same way, recursively.
+
+    Examples:
+        >>> import torch
+        >>> t = torch.arange(12).view(3, 4)
+        >>> [(off, c.tolist()) for off, c in chunks(t, 5)]  # contiguous: flat
+        [(0, [0, 1, 2, 3, 4]), (5, [5, 6, 7, 8, 9]), (10, [10, 11])]
+        >>> [(off, c.tolist()) for off, c in chunks(t.t(), 6)]  # a transposed view: whole rows
+        [(0, [[0, 4, 8], [1, 5, 9]]), (6, [[2, 6, 10], [3, 7, 11]])]
+        >>> [(off, c.tolist()) for off, c in chunks(t.t(), 2)]  # a row larger than a chunk: cut too
+        [(0, [0, 4]), (2, [8]), (3, [1, 5]), (5, [9]), (6, [2, 6]), (8, [10]), (9, [3, 7]), (11, [11])]
+    """
+    n = t.numel()
+    if n <= elements:
+        yield offset, t
+        return
+    if t.is_contiguous():
+        flat = t.view(-1)
+        step = elements - elements % 8 if elements >= 8 else elements
+        for s in range(0, n, step):
+            yield offset + s, flat[s:s + step]
+        return
+    row = n // t.shape[0]
+    if row > elements:
+        for r in range(t.shape[0]):
+            yield from chunks(t[r], elements, offset + r * row)
+        return
+    rows = elements // row
+    if rows >= 8:
+        rows -= rows % 8
+    for r in range(0, t.shape[0], rows):
+        yield offset + r * row, t[r:r + rows]
+
+
+def _wire_flat(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``part`` in ``dtype``, flat and contiguous: a view where it already is, else one copy of
+    the part alone (the cast and the reordering in one ``copy_``)."""
+    if part.dtype == dtype and part.is_contiguous():
+        return part.view(-1)
+    out = torch.empty(part.shape, dtype=dtype)
+    out.copy_(part)
+    return out.view(-1)
+
+
 def hub_flat(local: torch.Tensor, box: Box, shape: tuple[int, ...]) -> torch.Tensor:
     """Flat C-order indices (int64) into a tensor of ``shape`` of the positions ``local`` (flat
     C-order indices into the piece at ``box``).
@@ -187,12 +259,15 @@ class Tracker:
     The plan (:class:`fsdptk._plans.source_plan.TrackPlan`: the parts each holder compares, the
     names compared whole on their owner) is made on every rank from what every rank agreed, so
     every rank has the same without communication; here each rank keeps its own parts' baseline.
+    ``chunk_bytes`` (the source's ``bucket_bytes``) bounds each chunk of a comparison
+    (:func:`chunk_elements`).
     """
 
-    def __init__(self, plan: Plan, layout: Ownership, rank: int) -> None:
+    def __init__(self, plan: Plan, layout: Ownership, rank: int, chunk_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         track = layout.track
         assert track is not None, "planned with track_changes=True"
         self.plan, self.rank, self.owners = plan, rank, layout.owners
+        self.chunk_bytes = chunk_bytes
         self.own_boxes = layout.boxes
         self.gathered: set[str] = track.gathered
         self.parts: dict[str, list[Part]] = track.parts
@@ -209,9 +284,9 @@ class Tracker:
         self.pending = {}
 
     # -- this rank's pieces ----------------------------------------------------------------------
-    def _views(self, items: Items) -> Iterator[tuple[tuple[str, int], torch.Tensor]]:
-        """``((Hub name, item), view)`` of each piece this rank keeps, in the wire dtype (views
-        of its shards where no cast is needed)."""
+    def _views(self, items: Items) -> Iterator[tuple[tuple[str, int], torch.Tensor, torch.dtype]]:
+        """``((Hub name, item), view, wire dtype)`` of each piece this rank keeps: views of its
+        shards (cast chunk by chunk as they are compared)."""
         plan = self.plan
         wanted: dict[int, set[str]] = {}
         for name, ps in self.mine.items():
@@ -226,51 +301,72 @@ class Tracker:
             pieces = box_pieces(node, own_box, local) if node is not None else [(plan.conv_key[key], own_box, local)]
             for name, _, piece in pieces:
                 if name in wanted[i]:
-                    yield (name, i), piece.to(plan.dtypes[key])
+                    yield (name, i), piece, plan.dtypes[key]
 
     def diff(self, items: Items, *, patch: bool) -> dict[tuple[str, int], _Diff]:
         """Compare every piece this rank keeps with the current weights, update the baseline in
         place and return what each piece sends (``patch``: the pass sends patches, so NaNs and
         integer tensors are counted; a full pass only records the positions it may change)."""
         out: dict[tuple[str, int], _Diff] = {}
-        for key, view in self._views(items):
-            out[key] = self._compare(key, view, patch)
+        for key, view, dtype in self._views(items):
+            out[key] = self._compare(key, view, dtype, patch)
         return out
 
-    def _compare(self, key: tuple[str, int] | str, new: torch.Tensor, patch: bool) -> _Diff:
-        """One piece (``(name, item)``) or gathered tensor (its name): the positions to send
-        (changed bits, and those left uncertain by an abandoned pass), recorded for this pass; the
-        baseline updated to ``new`` in place."""
+    def _compare(self, key: tuple[str, int] | str, new: torch.Tensor, dtype: torch.dtype, patch: bool) -> _Diff:
+        """One piece (``(name, item)``) or gathered tensor (its name), ``new`` in any dtype and
+        layout, compared in ``dtype``: the positions to send (changed bits, and those left
+        uncertain by an abandoned pass), recorded for this pass; the baseline updated to ``new``
+        in place. Chunk by chunk (:func:`chunks`): a copy of one chunk at a time, never of the
+        whole piece."""
         base = self.base.get(key) if isinstance(key, tuple) else self.full.get(key)
-        floating = new.dtype.is_floating_point
+        floating = dtype.is_floating_point
+        elements = chunk_elements(self.chunk_bytes, dtype)
         if base is None:  # the first pass: the baseline is made; nothing to compare with yet
-            base = torch.empty(new.shape, dtype=new.dtype)
-            base.copy_(new)
+            base = torch.empty(new.shape, dtype=dtype)
+            flat = base.view(-1)
+            for off, part in chunks(new, elements):
+                flat[off:off + part.numel()].view(part.shape).copy_(part)
             if isinstance(key, tuple):
                 self.base[key] = base
             else:
                 self.full[key] = base
             return _Diff(torch.empty(0, dtype=torch.int32), 0, not floating)
-        flat_new, flat_base = new.contiguous().view(-1), base.view(-1)
+        flat_base = base.view(-1)
         uncertain = self.uncertain.get(key)
-        if uncertain is None:
-            changed = changed_positions(flat_new, flat_base)
-            sel = changed
-        else:  # after an abandoned pass (rare): one mask of both
-            ne = _bits(flat_new) != _bits(flat_base)
-            changed = positions(ne)
-            ne[uncertain] = True
-            sel = positions(ne)
-            del ne
-        if changed.numel():
-            if changed.numel() * 256 > flat_base.numel():  # a scattered write costs more than a copy
-                flat_base.copy_(flat_new)
-            else:
-                flat_base[changed] = flat_new[changed]
-        sel = sel.to(torch.int32)  # local positions (a piece has fewer than 2**31 elements): half the memory
+        found: list[torch.Tensor] = []
+        nan = 0
+        for off, part in chunks(new, elements):
+            m = part.numel()
+            if m == 0:
+                continue
+            cur, old = _wire_flat(part, dtype), flat_base[off:off + m]
+            todo = None
+            if uncertain is not None:  # after an abandoned pass (rare): those in this chunk
+                lo, hi = torch.searchsorted(uncertain, torch.tensor([off, off + m], dtype=uncertain.dtype)).tolist()
+                todo = uncertain[lo:hi] if hi > lo else None
+            if todo is None:
+                changed = changed_positions(cur, old)
+                sel = changed
+            else:  # one mask of both
+                ne = _bits(cur) != _bits(old)
+                changed = positions(ne)
+                ne[todo.to(torch.int64) - off] = True
+                sel = positions(ne)
+                del ne
+            if changed.numel():
+                if changed.numel() * 256 > m:  # a scattered write costs more than a copy
+                    old.copy_(cur)
+                else:
+                    old[changed] = cur[changed]
+            del cur
+            if sel.numel():
+                if patch and floating:
+                    nan += int(torch.isnan(old[sel]).sum())
+                found.append(sel.to(torch.int32).add_(off))  # a piece has fewer than 2**31 elements
+        sel = found[0] if len(found) == 1 else torch.cat(found) if found else torch.empty(0, dtype=torch.int32)
+        del found
         if sel.numel():
             self.pending[key] = sel
-        nan = int(torch.isnan(flat_base[sel]).sum()) if patch and sel.numel() and floating else 0
         return _Diff(sel, nan, not floating)
 
     def values(self, key: tuple[str, int] | str, sel: torch.Tensor) -> torch.Tensor:
@@ -280,7 +376,7 @@ class Tracker:
 
     def compare_full(self, name: str, t: torch.Tensor, patch: bool) -> _Diff:
         """A gathered Hub tensor this rank owns, whole: compared with (and kept as) its baseline."""
-        return self._compare(name, t, patch)
+        return self._compare(name, t, t.dtype, patch)
 
     def finish(self, completed: bool) -> None:
         """After a pass: ``completed`` on every rank: the engine holds the baseline, nothing is

@@ -524,7 +524,10 @@ def weight_source(
             layer merged into its base weight, NF4, a conversion other than renames, stacks,
             concatenations and transpositions) is compared whole on its owner, which keeps it.
             Every pass (``iter_full``, ``iter_local``, ``iter_buckets``, ``iter_patches``)
-            compares and updates the baseline as it starts; a pass abandoned on any rank leaves
+            compares and updates the baseline as it starts, in chunks of at most ``bucket_bytes``
+            (a chunk cast to the wire dtype and its mask), and holds
+            the positions to send until it ends (int32, 4 bytes per changed element; see
+            docs/weight_sync.md for measured peaks); a pass abandoned on any rank leaves
             the positions it could have changed at the engine "uncertain", sent by the next patch
             pass whatever their bits. Not with ``quantize`` (the scales move with every value).
             ``False`` (default): nothing is kept, and ``iter_patches`` raises.
@@ -621,7 +624,7 @@ def weight_source(
     assert plan is not None and types is not None, "planned on every rank (agreed just above)"
     layout = ownership(plan, owners, rank, [Held(v.boxes, v.plain, v.meshes) for v in views], [v.host for v in views],
                        track_changes=track_changes)
-    tracker = Tracker(plan, layout, rank) if track_changes else None
+    tracker = Tracker(plan, layout, rank, nbytes) if track_changes else None
     if types.base is None:
         return HubWeightSource(model, plan, layout, nbytes, types, keep_buffers, tracker, patch_cls)
     # an instance of vLLM's WeightSource (its __init_subclass__ checks the cached metadata)
