@@ -85,7 +85,11 @@ for LEG in $LEGS; do
         bash scripts/lint.sh
     fi
     "$VENV/bin/python" -c 'import sys, torch; print(f"[test] leg {sys.argv[1]}: Python {sys.version.split()[0]}, torch {torch.__version__}")' "$LEG"
-    FSDPTK_LEG="$LEG" "$VENV/bin/python" -m pytest -q "$@"
+    # two pytest workers (pytest-xdist), a module each at a time (--dist loadfile: a module's
+    # fixtures, its worlds and simulated hosts, are made once): one multi-process test waits on
+    # its ranks' messages while the other computes, so both cores stay busy. FSDPTK_TEST_WORKERS=0
+    # (or -n 0 among the pytest arguments) runs the suite in one process.
+    FSDPTK_LEG="$LEG" "$VENV/bin/python" -m pytest -q -n "${FSDPTK_TEST_WORKERS:-2}" --dist loadfile "$@"
     if [ "$LEG" = pinned ] && [ "$PEERS" = 1 ]; then
         echo "[test] torchtune parity suite: setting up .venv-peers"
         if [ -n "${SETUP_PID[peers]:-}" ]; then

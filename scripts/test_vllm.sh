@@ -69,7 +69,7 @@ if ! have fsdptk; then
     one_at_a_time "$VPY" -m pip install -q --no-deps -e .
 fi
 MISSING=()  # fsdptk's pure dependencies and the test extras vLLM does not bring (peft: the adapter tests)
-for DIST in safetensors numpy tqdm hypothesis pytest pytest-timeout cloudpickle psutil accelerate peft; do
+for DIST in safetensors numpy tqdm hypothesis pytest pytest-timeout pytest-xdist cloudpickle psutil accelerate peft; do
     have "$DIST" || MISSING+=("$DIST")
 done
 if [ "${#MISSING[@]}" -gt 0 ]; then
@@ -86,7 +86,8 @@ fi
 # FSDPTK_VLLM_SETUP_ONLY=1: make the environment and stop (scripts/test.sh sets it up while the
 # other legs run, then calls this script again for the tests)
 [ "${FSDPTK_VLLM_SETUP_ONLY:-0}" = 1 ] && exit 0
-"$VPY" -m pytest -q tests/test_vllm_source.py tests/test_weight_source.py tests/test_vllm_patches.py tests/test_weight_patches.py "$@"
+"$VPY" -m pytest -q -n "${FSDPTK_TEST_WORKERS:-2}" --dist loadfile tests/test_vllm_source.py tests/test_weight_source.py \
+    tests/test_vllm_patches.py tests/test_weight_patches.py "$@"
 # the quantized saves' checks that need vLLM (the others run in the main legs, on the transformers
 # release the project declares; this environment holds vLLM's older one)
 exec "$VPY" -m pytest -q tests/test_quantize_out.py -k vllm "$@"

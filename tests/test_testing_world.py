@@ -254,3 +254,25 @@ def test_nccl_needs_cuda_and_one_gpu_per_rank(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match=rf"world_size {n} needs {n} GPUs, torch.cuda.device_count\(\) is {n - 1}"):
         World(n, backend="nccl")
     assert started == []  # nothing was spawned
+
+
+def _what_the_worker_inherited() -> tuple[bool, bool, str]:
+    return "fsdptk.testing._preload" in sys.modules, "peft" in sys.modules, os.environ["CUDA_VISIBLE_DEVICES"]
+
+
+def test_cpu_workers_are_forked_from_the_preloaded_server(world) -> None:
+    # this module imports neither peft nor the preload module: the workers have them from the fork
+    # server (tests/conftest.py sets FSDPTK_WORLD_PRELOAD), with the accelerators hidden
+    assert "peft" in os.environ.get("FSDPTK_WORLD_PRELOAD", "").split(",")
+    for preloaded, peft_there, cuda in world(2).run(_what_the_worker_inherited):
+        assert preloaded and peft_there and cuda == ""
+
+
+def test_nccl_worlds_and_the_opt_out_spawn(monkeypatch) -> None:
+    from fsdptk.testing.world import _start_context
+
+    assert _start_context(cpu_only=False).get_start_method() == "spawn"  # a forked CUDA context is unusable
+    monkeypatch.setenv("FSDPTK_WORLD_START", "spawn")
+    assert _start_context(cpu_only=True).get_start_method() == "spawn"
+    monkeypatch.delenv("FSDPTK_WORLD_START")
+    assert _start_context(cpu_only=True).get_start_method() == "forkserver"

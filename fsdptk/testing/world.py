@@ -23,6 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_any
 from typing import Any
 
 try:  # cloudpickle pickles lambdas, closures and functions of test modules by value if needed
@@ -116,6 +117,36 @@ def _forget_old_meshes() -> None:
 # an accelerator whenever one is visible (then rank r asks for device r, which may not exist)
 _HIDE_ACCELERATORS = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "",
                       "ZE_AFFINITY_MASK": "", "ASCEND_RT_VISIBLE_DEVICES": ""}
+
+
+_PRELOAD = "fsdptk.testing._preload"
+
+
+def _start_context(cpu_only: bool) -> Any:
+    """How a world starts its workers: forked from multiprocessing's fork server with torch
+    already imported (``fsdptk.testing._preload``) for gloo-on-CPU worlds on POSIX, else spawned.
+
+    The fork server is one per process: it is used only where it is not running yet (then its
+    preload is set here) or runs with this preload, and nobody set another preload; otherwise, and
+    with ``FSDPTK_WORLD_START=spawn``, workers are spawned (a fresh interpreter each). NCCL worlds
+    are always spawned (a forked CUDA context is unusable).
+    """
+    if not cpu_only or os.environ.get("FSDPTK_WORLD_START", "forkserver") == "spawn":
+        return mp.get_context("spawn")
+    if "forkserver" not in mp.get_all_start_methods():  # Windows
+        return mp.get_context("spawn")
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    preload = list(getattr(server, "_preload_modules", ["__main__"]))
+    running = getattr(server, "_forkserver_pid", None) is not None
+    ctx = mp.get_context("forkserver")
+    if preload == [_PRELOAD]:
+        return ctx
+    if running or preload not in ([], ["__main__"]):  # someone else's fork server: leave it alone
+        return mp.get_context("spawn")
+    ctx.set_forkserver_preload([_PRELOAD])
+    return ctx
 
 
 def _worker_main(
@@ -249,6 +280,14 @@ class World:
             offload_ops_to_cpu=True)`` returns, for CPU offload) is NCCL for CUDA tensors and
             gloo for CPU tensors, with the same GPU per rank.
 
+    How workers start: a CPU-only world's workers are forked from multiprocessing's fork server,
+    which imports torch (accelerators hidden) and the modules ``FSDPTK_WORLD_PRELOAD`` names
+    (comma-separated, e.g. ``transformers,peft``) once per process, so a world starts, and is
+    rebuilt after a killed rank or a timeout, in a fraction of a second instead of an interpreter
+    start and torch's import per worker. The fork server is one per process: where another
+    preload was set for it (or it already runs with one), the workers are spawned instead, as
+    they are with ``FSDPTK_WORLD_START=spawn`` and for NCCL worlds.
+
     Raises:
         ValueError: ``world_size`` below 1, an unknown ``backend``, or an NCCL backend with
             ``cpu_only=True``.
@@ -283,7 +322,7 @@ class World:
         self.cpu_only = "nccl" not in backend if cpu_only is None else cpu_only
         self.timeout = timeout
         self.pg_timeout = pg_timeout
-        self._ctx = mp.get_context("spawn")
+        self._ctx = _start_context(self.cpu_only)
         self._procs: list[Any] = []
         self._conns: list[Connection] = []
         self.restarts = 0  # how many times the workers were killed and started again
@@ -423,10 +462,10 @@ class World:
             now = time.monotonic()
             if now >= deadline:
                 break
-            for rank in sorted(pending):
+            # block until some rank answers (or dies: its end of the pipe reads EOF), no polling
+            ready = wait_any([self._conns[r] for r in pending], timeout=deadline - now)
+            for rank in sorted(r for r in pending if self._conns[r] in ready):
                 conn = self._conns[rank]
-                if not conn.poll(0):
-                    continue
                 pending.discard(rank)
                 try:
                     msg = conn.recv()
@@ -440,8 +479,6 @@ class World:
                 failed = failed or isinstance(outcomes[rank], RemoteError)
             if failed:  # the others get a short grace to report (they may be blocked on the failed rank)
                 deadline = min(deadline, time.monotonic() + _GRACE_S)
-            if pending:
-                time.sleep(0.002)
 
         if pending or died:
             missing = sorted(pending)
