@@ -18,6 +18,11 @@ settings.register_profile(
 settings.register_profile("ci", parent=settings.get_profile("fsdptk"), derandomize=True)
 settings.load_profile("ci" if os.environ.get("CI") else "fsdptk")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on two cores (scripts/test.sh): one intra-op thread per process, here and in what
+    # the tests launch (the worlds' workers set it themselves), so no thread spins waiting for a core
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # What the fork server of the suite's worlds imports once for all their workers (see
 # fsdptk/testing/_preload.py): the Hugging Face stack most tests use; a world's (re)start is then a
 # fork, not a fresh interpreter importing it again.
@@ -58,6 +63,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     import torch
 
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker sorts alike: the collections agree
+        torch.set_num_threads(1)  # as OMP_NUM_THREADS above, should torch have read it already
         rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
         items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
     if torch.cuda.is_available():
