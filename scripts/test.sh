@@ -33,7 +33,8 @@ while [ $# -gt 0 ]; do
 done
 # The environments of the later legs (and the peers') are set up in the background while the
 # first leg runs: their installs are mostly downloads and unpacking, and on a fresh clone they take
-# about 7 of the run's minutes. Each leg waits for its own setup and prints its log; a failed setup
+# about 7 of the run's minutes. They run at a lower priority (nice 10), so the suite beside them
+# keeps the cores it saturates. Each leg waits for its own setup and prints its log; a failed setup
 # stops the run there, with its log. With one leg there is nothing to overlap.
 SETUP_LOGS="$(mktemp -d)"
 trap 'rm -rf "$SETUP_LOGS"' EXIT
@@ -41,7 +42,7 @@ declare -A SETUP_PID=()
 in_background() {  # in_background NAME COMMAND...: run a setup now, its output in $SETUP_LOGS/NAME.log
     local name="$1"
     shift
-    "$@" >"$SETUP_LOGS/$name.log" 2>&1 &
+    nice -n 10 "$@" >"$SETUP_LOGS/$name.log" 2>&1 &  # below the running suite: it keeps both cores
     SETUP_PID[$name]=$!
 }
 finished() {  # finished NAME: wait for that setup, print its log; fail (with the log) when it failed
