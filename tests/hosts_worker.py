@@ -21,7 +21,9 @@ method skips the scenarios it has no call for. Spec keys: ``layers``, ``dim``, `
 ``save``, ``save_host`` (one writer per host), ``stream_host`` (a weight source, one owner per host), ``optim_load``, ``optim_gather``, ``kill_load``), ``methods``, ``repeats``, ``ckpt`` (a
 directory with ``{host}`` in it: each host's own copy), ``out_dir``; for the HF methods
 ``hf_ckpt`` (likewise per host) and ``hf_ref`` (a ``torch.save`` file: ``input_ids`` and the
-single-process ``logits``).
+single-process ``logits``). A spec with ``runs`` (a list of such specs, each with its own
+``out_dir``) runs each of them in turn in the one launch: interpreters, imports and the rendezvous
+are paid once (tests/test_hosts.py runs fsdptk's scenarios and the peers' this way).
 """
 
 from __future__ import annotations
@@ -594,10 +596,19 @@ def main(spec_path: str) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    out = Path(spec["out_dir"]) / f"rank{rank}.json"
-    if spec["scenarios"] == ["kill_load"]:
-        kill_load(spec, out)
+    if spec.get("scenarios") == ["kill_load"]:
+        kill_load(spec, Path(spec["out_dir"]) / f"rank{rank}.json")
         return 0
+    for run in spec.get("runs", [spec]):
+        scenarios(run, rank)
+    dist.barrier()
+    os._exit(0)  # no destroy_process_group: gloo's teardown can abort at exit (benchmarks/worker.py)
+
+
+def scenarios(spec: dict, rank: int) -> None:
+    """Every scenario of ``spec`` on each of its meshes, for each method; ``rank<r>.json`` into
+    its ``out_dir``."""
+    out = Path(spec["out_dir"]) / f"rank{rank}.json"
     records = []
     for mesh_kind in spec["meshes"]:
         for rep in range(spec.get("repeats", 1)):
@@ -612,8 +623,6 @@ def main(spec_path: str) -> int:
                     records.append({**base, **measured(fn)})
                     steps.model = steps.opt = None
     out.write_text(json.dumps(records))
-    dist.barrier()
-    os._exit(0)  # no destroy_process_group: gloo's teardown can abort at exit (benchmarks/worker.py)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,10 @@ One ``torchrun`` launch per host runs every scenario on both meshes in sequence
 within each). Each step is checked bit for bit against the single-process reference on every rank,
 and the bytes that crossed between the hosts (the sum of both links' ``tx_bytes``, read by one rank
 per host between barriers) are held against the least the mesh allows, plus an allowance measured
-on this setup (see ``ALLOWANCE``). A second launch kills a host while the others load. A third
-runs the peers' calls (accelerate's FSDP2 load, gather and save; transformers' distributed
-``from_pretrained`` and ``save_pretrained`` beside ``fsdptk.hf``) on small models, each step checked
-and held to the bytes its formula (read from the peer's code) predicts.
+on this setup (see ``ALLOWANCE``). The same launch then runs the peers' calls (accelerate's FSDP2
+load, gather and save; transformers' distributed ``from_pretrained`` and ``save_pretrained`` beside
+``fsdptk.hf``) on small models, each step checked and held to the bytes its formula (read from the
+peer's code) predicts. A second launch kills a host while the others load.
 
 Needs root (network namespaces); skipped with the reason otherwise.
 """
@@ -112,14 +112,34 @@ def _spec(work: Path, **kw) -> Path:
     return path
 
 
+_PEERS_MISSING = [m for m in ("accelerate", "transformers") if importlib.util.find_spec(m) is None]
+
+
 @pytest.fixture(scope="module")
-def scenario_steps(hosts, tmp_path_factory):
-    """{(mesh, scenario): {"crossed": bytes, "seconds": max over ranks, "checks": {...}}}."""
+def launched(hosts, tmp_path_factory):
+    """One launch on the hosts: fsdptk's scenarios on the Linear model, then (when accelerate and
+    transformers are installed) the peers' on the small models. Returns each run's work directory
+    (``None`` for the peers when they are not installed) and the HF model's bytes."""
     work = tmp_path_factory.mktemp("hosts")
-    spec = _spec(work, ckpt=_write_checkpoints(work))
-    runs = hosts.torchrun([str(WORKER), str(spec)], nproc_per_node=PER_HOST, env=_env(), timeout=_LAUNCH_TIMEOUT_S)
-    for r in runs:
+    runs = [json.loads(_spec(work, ckpt=_write_checkpoints(work)).read_text())]
+    peers, hf_bytes = None, 0
+    if not _PEERS_MISSING:
+        peers = work / "peers"
+        peer_spec, hf_bytes = _peer_spec(peers)
+        runs.append(peer_spec)
+    spec = work / "launch.json"
+    spec.write_text(json.dumps({"out_dir": str(work / "out"), "runs": runs}))
+    done = hosts.torchrun([str(WORKER), str(spec)], nproc_per_node=PER_HOST,
+                          env={**_env(), "HF_HUB_OFFLINE": "1"}, timeout=_LAUNCH_TIMEOUT_S)
+    for r in done:
         assert r.returncode == 0, f"host {r.host} exited {r.returncode}:\n{r.stderr[-4000:]}"
+    return {"fsdptk": work, "peers": peers, "hf_model_bytes": hf_bytes}
+
+
+@pytest.fixture(scope="module")
+def scenario_steps(launched):
+    """{(mesh, scenario): {"crossed": bytes, "seconds": max over ranks, "checks": {...}}}."""
+    work = launched["fsdptk"]
     steps: dict = defaultdict(lambda: {"crossed": 0, "busiest_rx": 0, "seconds": 0.0, "checks": set(), "ranks": 0})
     for f in sorted((work / "out").glob("rank*.json")):
         for rec in json.loads(f.read_text()):
@@ -346,14 +366,12 @@ def _peer_formula(mesh: str, method: str, scenario: str, s: float, s_hf: float) 
     return (s_hf if method == "transformers" else s) * HOSTS * (N - 1) / N
 
 
-@pytest.fixture(scope="module")
-def peer_steps(hosts, tmp_path_factory):
-    """{(mesh, method, scenario): step} of one small launch of the peers, and the HF model's bytes."""
+def _peer_spec(work: Path) -> tuple[dict, int]:
+    """The peers' run (its checkpoints written under ``work``) and the HF model's bytes."""
     sys.path.insert(0, str(HERE))
     from hosts_worker import reference_state, write_hf_checkpoints
     from safetensors.torch import save_file
 
-    work = tmp_path_factory.mktemp("peers")
     ref = reference_state(PEER_LAYERS, PEER_DIM, torch.float32)
     for h in range(HOSTS):
         (work / f"host{h}" / "ckpt").mkdir(parents=True)
@@ -362,10 +380,14 @@ def peer_steps(hosts, tmp_path_factory):
     spec = _spec(work, layers=PEER_LAYERS, dim=PEER_DIM, ckpt=str(work / "host{host}" / "ckpt"),
                  methods=["accelerate", "transformers", "fsdptk-hf"], hf_ckpt=hf["hf_ckpt"], hf_ref=hf["hf_ref"],
                  scenarios=["noop", "load", "shard_on_read", "gather", "save"])
-    runs = hosts.torchrun([str(WORKER), str(spec)], nproc_per_node=PER_HOST,
-                          env={**_env(), "HF_HUB_OFFLINE": "1"}, timeout=_LAUNCH_TIMEOUT_S)
-    for r in runs:
-        assert r.returncode == 0, f"host {r.host} exited {r.returncode}:\n{r.stderr[-4000:]}"
+    return json.loads(spec.read_text()), hf["hf_model_bytes"]
+
+
+@pytest.fixture(scope="module")
+def peer_steps(launched):
+    """{(mesh, method, scenario): step} of the peers' run in the launch, and the HF model's bytes."""
+    work = launched["peers"]
+    assert work is not None, f"not installed: {_PEERS_MISSING}"
     steps: dict = defaultdict(lambda: {"crossed": 0, "checks": set(), "ranks": 0})
     for f in sorted((work / "out").glob("rank*.json")):
         for rec in json.loads(f.read_text()):
@@ -376,11 +398,8 @@ def peer_steps(hosts, tmp_path_factory):
                 step["crossed"] += rec["after"]["tx_bytes"] - rec["before"]["tx_bytes"]
     print("\n(mesh, method, scenario): bytes crossed (formula)")
     for key, step in sorted(steps.items()):
-        print(f"{key}: {step['crossed']:,} ({_peer_formula(*key, PEER_S, hf['hf_model_bytes']):,.0f})")
-    return dict(steps), hf["hf_model_bytes"]
-
-
-_PEERS_MISSING = [m for m in ("accelerate", "transformers") if importlib.util.find_spec(m) is None]
+        print(f"{key}: {step['crossed']:,} ({_peer_formula(*key, PEER_S, launched['hf_model_bytes']):,.0f})")
+    return dict(steps), launched["hf_model_bytes"]
 
 
 @needs_hosts
