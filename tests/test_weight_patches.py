@@ -509,8 +509,10 @@ def test_local_positions_map_to_the_hub_tensors_flat_indices(case, data) -> None
     piece = extract(numbered, box)
     assert tuple(piece.shape) == box_shape(box)
     local = torch.tensor(sorted(data.draw(st.sets(st.integers(0, piece.numel() - 1), max_size=8))),
-                         dtype=torch.int64)
-    assert torch.equal(hub_flat(local, box, shape), piece.reshape(-1)[local])
+                         dtype=data.draw(st.sampled_from([torch.int32, torch.int64])))  # int32: a comparison's
+    got = hub_flat(local, box, shape)
+    assert got.dtype == torch.int32  # under 2**31 elements: the patch's own index dtype
+    assert got.tolist() == piece.reshape(-1)[local.long()].tolist()
 
 
 @settings(max_examples=30, deadline=None)
@@ -749,3 +751,44 @@ def test_comparing_holds_a_chunk_of_a_bucket_never_a_whole_piece(world) -> None:
         assert r["patch"] <= bound, (rank, r["patch"])
         assert r["uncertain"] <= bound, (rank, r["uncertain"])
         assert r["sel"] == {k: v for k, v in r["want"].items() if v}, rank
+
+
+# ----------------------------------------------------------------------------------------------
+# the owner's memory: one patch assembled at a time
+def _merged_before_each_patch() -> list[tuple[str, int]]:
+    """Twelve names in one bucket, every element changed: per yielded patch, its name and how many
+    patches the owner had assembled (``merge_parts``) by then."""
+    import fsdptk.hf._weight_patches as wp
+    from fsdptk.hf import weight_source
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+    source = weight_source(model, dtype=torch.bfloat16, track_changes=True)  # 16 MiB buckets: one
+    list(source.iter_full())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    merged: list[int] = []
+    real = wp.merge_parts
+
+    def counting(parts):
+        merged.append(1)
+        return real(parts)
+
+    wp.merge_parts = counting
+    try:
+        return [(patch.name, len(merged)) for patch in source.iter_patches()]
+    finally:
+        wp.merge_parts = real
+
+
+def test_the_owner_assembles_one_patch_at_a_time(world) -> None:
+    """The owner merges a name's parts (its own and the other holders') just before it yields that
+    name's patch, never a whole bucket of merged copies ahead of the consumer: with all twelve
+    names in one bucket, the n-th patch is yielded after n merges (the whole bucket, 12, before the
+    first, when the bucket was assembled first)."""
+    results = world(2).run(_merged_before_each_patch, timeout=120)
+    owner = results[0]
+    assert [n for n, _ in owner] == [f"{i}.{w}" for i in range(6) for w in ("weight", "bias")], owner
+    assert [k for _, k in owner] == list(range(1, 13)), owner
+    assert results[1] == []

@@ -196,8 +196,9 @@ def _wire_flat(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def hub_flat(local: torch.Tensor, box: Box, shape: tuple[int, ...]) -> torch.Tensor:
-    """Flat C-order indices (int64) into a tensor of ``shape`` of the positions ``local`` (flat
-    C-order indices into the piece at ``box``).
+    """Flat C-order indices into a tensor of ``shape`` of the positions ``local`` (flat C-order
+    indices into the piece at ``box``): int32 where the tensor has fewer than 2**31 elements (every
+    tensor a patch pass sends: larger ones are refused when the source is made), int64 otherwise.
 
     Examples:
         >>> import torch
@@ -206,21 +207,23 @@ def hub_flat(local: torch.Tensor, box: Box, shape: tuple[int, ...]) -> torch.Ten
         >>> hub_flat(torch.tensor([0, 4]), (slice(2, 4), slice(0, 3)), (4, 3)).tolist()  # whole rows: a shift
         [6, 10]
     """
+    itype = torch.int32 if math.prod(shape) < 2**31 else torch.int64  # half the bytes and the time
     sizes = box_shape(box)
     if not sizes:
-        return local.to(torch.int64)
+        return local.to(itype)
     if isinstance(box[0], slice) and all(isinstance(b, slice) and b.start == 0 and b.stop == n
                                          for b, n in zip(box[1:], shape[1:])):
         row = math.prod(shape[1:])  # a run of whole rows (FSDP's Shard(0), an expert's whole matrix)
-        return local.to(torch.int64) + box[0].start * row
-    out = torch.zeros_like(local, dtype=torch.int64)
-    rest = local.to(torch.int64)
+        return local.to(itype, copy=True).add_(box[0].start * row)
+    out = torch.zeros_like(local, dtype=itype)
+    rest = local.to(itype, copy=True)
     stride = 1
     for d in range(len(sizes) - 1, -1, -1):
         coord = rest % sizes[d] if d else rest
-        rest = rest // sizes[d]
+        if d:
+            rest = rest.div_(sizes[d], rounding_mode="floor")
         b = box[d]
-        hub = coord + b.start if isinstance(b, slice) else torch.tensor(b, dtype=torch.int64)[coord]
+        hub = coord + b.start if isinstance(b, slice) else torch.tensor(b, dtype=itype)[coord]
         out += hub * stride
         stride *= shape[d]
     return out
@@ -320,7 +323,7 @@ class Tracker:
         whole piece."""
         base = self.base.get(key) if isinstance(key, tuple) else self.full.get(key)
         floating = dtype.is_floating_point
-        elements = chunk_elements(self.chunk_bytes, dtype)
+        elements = chunk_elements(self.chunk_bytes // 2, dtype)  # half a bucket: the other half for positions
         if base is None:  # the first pass: the baseline is made; nothing to compare with yet
             base = torch.empty(new.shape, dtype=dtype)
             flat = base.view(-1)
@@ -505,43 +508,15 @@ def _local_bucket(tracker: Tracker, names: list[str], views: list[PatchCounts],
                   diffs: dict[tuple[str, int], _Diff], make_patch: Callable[..., Any], status: Status) -> Iterator[Any]:
     """One bucket of names compared on their holders: every holder's changes to every owner (one
     batch, receives first), then the owner's patches, in metadata order."""
-    plan, rank = tracker.plan, tracker.rank
+    plan = tracker.plan
     shapes = {name: shape for name, _, shape in plan.hub}
     dtypes = {name: dtype for name, dtype, _ in plan.hub}
-    device = comm_device() if len(views) > 1 else torch.device("cpu")
     parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     posts: list[Post] = []
     recvs: list[tuple[int, list[str], torch.Tensor]] = []
     if status.error is None:
-        try:
-            mine: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-            for name in names:
-                for p in tracker.mine.get(name, []):
-                    d = diffs.get((name, p.item))
-                    if d is not None and d.sel.numel():
-                        idx = hub_flat(d.sel, p.box, shapes[name]).to(torch.int32)
-                        mine[name] = (idx, tracker.values((name, p.item), d.sel))
-            for peer in range(len(views)):
-                if peer == rank:
-                    continue
-                out = [n for n in names if n in mine and peer in tracker.owners[n]]
-                if out:
-                    buf = torch.empty(sum(patch_bytes(views[rank].counts[n], dtypes[n]) for n in out),
-                                      dtype=torch.uint8, device=device)
-                    off = 0
-                    for n in out:
-                        off = pack(buf, off, mine[n][0])
-                        off = pack(buf, off, mine[n][1])
-                    posts.append(Post(False, peer, buf))
-                inc = [n for n in names if views[peer].counts.get(n) and rank in tracker.owners[n]]
-                if inc:
-                    buf = torch.empty(sum(patch_bytes(views[peer].counts[n], dtypes[n]) for n in inc),
-                                      dtype=torch.uint8, device=device)
-                    posts.append(Post(True, peer, buf))
-                    recvs.append((peer, inc, buf))
-            for n, part in mine.items():
-                if rank in tracker.owners[n]:
-                    parts.setdefault(n, []).append(part)
+        try:  # in a function of its own: nothing of it stays referenced while the patches are yielded
+            _prepare_bucket(tracker, names, views, diffs, posts, recvs, parts)
         except Exception as e:  # noqa: BLE001 - agreed just below
             status.fail(e, "preparing a bucket of patches")
     status.agree()
@@ -553,26 +528,25 @@ def _local_bucket(tracker: Tracker, names: list[str], views: list[PatchCounts],
     finally:
         flight.drain_quietly()
     status.fail_post(refused)
-    patches: list[Any] = []
+    del flight  # and what it posted
     try:
-        for peer, inc, buf in recvs:
-            off = 0
-            for n in inc:
-                c = views[peer].counts[n]
-                idx, off = unpack(buf, off, (c,), torch.int32, torch.device("cpu"))
-                vals, off = unpack(buf, off, (c,), dtypes[n], torch.device("cpu"))
-                parts.setdefault(n, []).append((idx, vals))
+        _received_parts(recvs, views, dtypes, parts)
         posts.clear()
-        for n in names:
-            if n in parts:
-                idx, vals = merge_parts(parts.pop(n))
-                patches.append(make_patch(n, idx, vals, tuple(shapes[n])))
+        recvs.clear()  # the received buffers live on in their views only: each freed with its last
     except Exception as e:  # noqa: BLE001 - agreed at the next agreement
         status.fail(e, "assembling patches")
-    if status.error is not None:
-        return  # raised at the next agreement, on every rank
-    while patches:
-        patch = patches.pop(0)
+    for n in names:  # one patch assembled at a time, on the owner: never a bucket of merged copies
+        if status.error is not None:
+            return  # raised at the next agreement, on every rank
+        if n not in parts:
+            continue
+        try:
+            idx, vals = merge_parts(parts.pop(n))
+            patch = make_patch(n, idx, vals, tuple(shapes[n]))
+            del idx, vals
+        except Exception as e:  # noqa: BLE001 - agreed at the next agreement
+            status.fail(e, "assembling patches")
+            return
         try:
             yield patch
         except GeneratorExit:  # the consumer left: still the next agreement, then out
@@ -582,6 +556,58 @@ def _local_bucket(tracker: Tracker, names: list[str], views: list[PatchCounts],
             status.fail(e, "the caller's code failed")
             return
         del patch
+
+
+def _prepare_bucket(tracker: Tracker, names: list[str], views: list[PatchCounts],
+                    diffs: dict[tuple[str, int], _Diff], posts: list[Post],
+                    recvs: list[tuple[int, list[str], torch.Tensor]],
+                    parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    """This rank's side of one bucket: its changes packed for each owner (``posts``), a buffer per
+    holder that sends to it (``posts`` and ``recvs``), its own changes to the names it owns
+    (``parts``)."""
+    plan, rank = tracker.plan, tracker.rank
+    shapes = {name: shape for name, _, shape in plan.hub}
+    dtypes = {name: dtype for name, dtype, _ in plan.hub}
+    device = comm_device() if len(views) > 1 else torch.device("cpu")
+    mine: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name in names:
+        for p in tracker.mine.get(name, []):
+            d = diffs.get((name, p.item))
+            if d is not None and d.sel.numel():
+                mine[name] = (hub_flat(d.sel, p.box, shapes[name]), tracker.values((name, p.item), d.sel))
+    for peer in range(len(views)):
+        if peer == rank:
+            continue
+        out = [n for n in names if n in mine and peer in tracker.owners[n]]
+        if out:
+            buf = torch.empty(sum(patch_bytes(views[rank].counts[n], dtypes[n]) for n in out),
+                              dtype=torch.uint8, device=device)
+            off = 0
+            for n in out:
+                off = pack(buf, off, mine[n][0])
+                off = pack(buf, off, mine[n][1])
+            posts.append(Post(False, peer, buf))
+        inc = [n for n in names if views[peer].counts.get(n) and rank in tracker.owners[n]]
+        if inc:
+            buf = torch.empty(sum(patch_bytes(views[peer].counts[n], dtypes[n]) for n in inc),
+                              dtype=torch.uint8, device=device)
+            posts.append(Post(True, peer, buf))
+            recvs.append((peer, inc, buf))
+    for n, part in mine.items():
+        if rank in tracker.owners[n]:
+            parts.setdefault(n, []).append(part)
+
+
+def _received_parts(recvs: list[tuple[int, list[str], torch.Tensor]], views: list[PatchCounts],
+                    dtypes: dict[str, torch.dtype], parts: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    """Each received buffer's ``(indices, values)`` per name into ``parts`` (views: nothing copied)."""
+    for peer, inc, buf in recvs:
+        off = 0
+        for n in inc:
+            c = views[peer].counts[n]
+            idx, off = unpack(buf, off, (c,), torch.int32, torch.device("cpu"))
+            vals, off = unpack(buf, off, (c,), dtypes[n], torch.device("cpu"))
+            parts.setdefault(n, []).append((idx, vals))
 
 
 def _gathered(tracker: Tracker, names: list[str], stream: Stream, make_patch: Callable[..., Any]) -> Iterator[Any]:
