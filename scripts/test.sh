@@ -32,21 +32,26 @@ while [ $# -gt 0 ]; do
     esac
 done
 # The environments of the later legs (and the peers') are set up in the background while the
-# first leg runs: their installs are mostly downloads and unpacking, and on a fresh clone they take
-# about 7 of the run's minutes. They run at a lower priority (nice 10), so the suite beside them
-# keeps the cores it saturates. Each leg waits for its own setup and prints its log; a failed setup
-# stops the run there, with its log. With one leg there is nothing to overlap.
+# first leg sets up and lints: their installs are mostly downloads and unpacking, and on a fresh
+# clone they take about 7 of the run's minutes. Every suite then waits for every setup: an install
+# writes gigabytes, and a suite beside it waited on the disk (each save fsyncs its files; the CLI
+# demo's two saves took 175-187 s instead of 36-46 s, the pinned suite 523-621 s instead of about
+# 390 s, even with the installs at nice 10). Each setup's log is printed when it is waited for; a
+# failed setup stops the run there, with its log. With one leg there is nothing to overlap.
 SETUP_LOGS="$(mktemp -d)"
 trap 'rm -rf "$SETUP_LOGS"' EXIT
 declare -A SETUP_PID=()
 in_background() {  # in_background NAME COMMAND...: run a setup now, its output in $SETUP_LOGS/NAME.log
     local name="$1"
     shift
-    nice -n 10 "$@" >"$SETUP_LOGS/$name.log" 2>&1 &  # below the running suite: it keeps both cores
+    "$@" >"$SETUP_LOGS/$name.log" 2>&1 &
     SETUP_PID[$name]=$!
 }
+declare -A SETUP_DONE=()
 finished() {  # finished NAME: wait for that setup, print its log; fail (with the log) when it failed
     local name="$1" rc=0
+    [ -n "${SETUP_DONE[$name]:-}" ] && return 0
+    SETUP_DONE[$name]=1
     wait "${SETUP_PID[$name]}" || rc=$?
     sed "s/^/[setup $name] /" "$SETUP_LOGS/$name.log"
     if [ "$rc" != 0 ]; then
@@ -85,6 +90,9 @@ for LEG in $LEGS; do
     if [ "$LEG" = pinned ]; then
         bash scripts/lint.sh
     fi
+    for NAME in "${!SETUP_PID[@]}"; do  # the suites run on a quiet disk: every setup has finished
+        finished "$NAME"  # at once where it was waited for already
+    done
     "$VENV/bin/python" -c 'import sys, torch; print(f"[test] leg {sys.argv[1]}: Python {sys.version.split()[0]}, torch {torch.__version__}")' "$LEG"
     # two pytest workers (pytest-xdist), a module each at a time (--dist loadfile: a module's
     # fixtures, its worlds and simulated hosts, are made once): one multi-process test waits on
