@@ -792,3 +792,65 @@ def test_the_owner_assembles_one_patch_at_a_time(world) -> None:
     assert [n for n, _ in owner] == [f"{i}.{w}" for i in range(6) for w in ("weight", "bias")], owner
     assert [k for _, k in owner] == list(range(1, 13)), owner
     assert results[1] == []
+
+
+# ----------------------------------------------------------------------------------------------
+# large patches of whole-row shards: received in place, into the patch's own two tensors
+def _large_patches_in_place(owners) -> dict:
+    """FSDP over the world: every element of ``0.weight`` changed, every other local element of
+    ``1.weight`` on every rank, one element of ``2.weight``. On each owner, each patch against the
+    bits that changed between the full passes around it; the names sent in place on every rank."""
+    import fsdptk.hf._weight_patches as wp
+    from fsdptk import shard_model
+    from fsdptk.hf import weight_source
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 256), torch.nn.Linear(16, 16))
+    shard_model(model, [lambda name, module: name in ("0", "1", "2")], cpu_offload=False)
+    source = weight_source(model, dtype=torch.bfloat16, track_changes=True, owners=owners)
+    before = {n: t.clone() for n, t in source.iter_full()}
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+        model[1].weight.to_local().view(-1)[::2] += 1.0
+        if dist.get_rank() == 0:
+            model[2].weight.to_local()[0, 3] += 1.0
+    chosen: list[list[str]] = []
+    real = wp._direct_names
+
+    def recording(tracker, names, views):
+        out = real(tracker, names, views)
+        chosen.append(sorted(out))
+        return out
+
+    wp._direct_names = recording
+    try:
+        rows = [(p.name, p.indices, p.values) for p in source.iter_patches()]
+    finally:
+        wp._direct_names = real
+    after = dict(source.iter_full())
+    checked = {}
+    for name, idx, vals in rows:
+        want = (_bits(after[name]) != _bits(before[name])).view(-1).nonzero().squeeze(1)
+        assert idx.dtype == torch.int32 and idx.is_contiguous() and vals.is_contiguous(), name
+        assert torch.equal(idx.long(), want), name
+        assert torch.equal(_bits(vals), _bits(after[name].reshape(-1)[want])), name
+        checked[name] = idx.numel()
+    return {"checked": checked, "owned": sorted(after), "direct": chosen}
+
+
+@pytest.mark.parametrize("owners", [1, 2])
+def test_large_patches_of_whole_row_shards_are_received_in_place(world, owners) -> None:
+    """Patches of 256 KiB and more whose holders keep whole rows (FSDP's Shard(0)) travel as two
+    messages per holder straight into the patch's index and value tensors, in the holders' row
+    order; small ones stay packed. Either way each owner's patches are exactly the changed bits,
+    int32 indices ascending, values the new bits, contiguous."""
+    results = world(4).run(_large_patches_in_place, owners, timeout=180)
+    changed = {"0.weight": 512 * 256, "1.weight": 256 * 512 // 2, "2.weight": 1}  # 6 B each: 786 KB, 393 KB, 6 B
+    checked: dict[str, int] = {}
+    for r in results:
+        assert [d for d in r["direct"] if d] == [["0.weight", "1.weight"]], r["direct"]  # the same on every rank
+        assert set(r["checked"]) <= set(r["owned"]), r
+        for name, n in r["checked"].items():
+            assert name not in checked, f"{name}: a patch on two owners"
+            checked[name] = n
+    assert checked == changed

@@ -43,7 +43,7 @@ from fsdptk._core.compat import local_tensor
 from fsdptk._core.dist import all_gather_object, comm_device, comm_errors, error_payload, raise_lowest
 from fsdptk._engine.agree import Status
 from fsdptk._engine.layouts import Box, box_shape
-from fsdptk._engine.wire import DEFAULT_BUCKET_BYTES, InFlight, Post, aligned, pack, unpack
+from fsdptk._engine.wire import DEFAULT_BUCKET_BYTES, DIRECT_MIN_BYTES, InFlight, Post, aligned, pack, unpack
 from fsdptk._plans.hub_items import Items, Plan
 from fsdptk._plans.hub_pieces import box_pieces
 from fsdptk._plans.source_plan import Ownership, Part
@@ -211,8 +211,7 @@ def hub_flat(local: torch.Tensor, box: Box, shape: tuple[int, ...]) -> torch.Ten
     sizes = box_shape(box)
     if not sizes:
         return local.to(itype)
-    if isinstance(box[0], slice) and all(isinstance(b, slice) and b.start == 0 and b.stop == n
-                                         for b, n in zip(box[1:], shape[1:])):
+    if _whole_rows(box, shape):
         row = math.prod(shape[1:])  # a run of whole rows (FSDP's Shard(0), an expert's whole matrix)
         return local.to(itype, copy=True).add_(box[0].start * row)
     out = torch.zeros_like(local, dtype=itype)
@@ -569,16 +568,23 @@ def _prepare_bucket(tracker: Tracker, names: list[str], views: list[PatchCounts]
     shapes = {name: shape for name, _, shape in plan.hub}
     dtypes = {name: dtype for name, dtype, _ in plan.hub}
     device = comm_device() if len(views) > 1 else torch.device("cpu")
+    direct = _direct_names(tracker, names, views) if device.type == "cpu" else {}
     mine: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for name in names:
         for p in tracker.mine.get(name, []):
             d = diffs.get((name, p.item))
             if d is not None and d.sel.numel():
                 mine[name] = (hub_flat(d.sel, p.box, shapes[name]), tracker.values((name, p.item), d.sel))
+    whole: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # a direct name's patch, received in place
+    for n, order in direct.items():
+        if rank in tracker.owners[n]:
+            total = sum(c for _, c in order)
+            whole[n] = (torch.empty(total, dtype=torch.int32), torch.empty(total, dtype=dtypes[n]))
+            parts[n] = [whole[n]]
     for peer in range(len(views)):
         if peer == rank:
             continue
-        out = [n for n in names if n in mine and peer in tracker.owners[n]]
+        out = [n for n in names if n in mine and peer in tracker.owners[n] and n not in direct]
         if out:
             buf = torch.empty(sum(patch_bytes(views[rank].counts[n], dtypes[n]) for n in out),
                               dtype=torch.uint8, device=device)
@@ -587,15 +593,65 @@ def _prepare_bucket(tracker: Tracker, names: list[str], views: list[PatchCounts]
                 off = pack(buf, off, mine[n][0])
                 off = pack(buf, off, mine[n][1])
             posts.append(Post(False, peer, buf))
-        inc = [n for n in names if views[peer].counts.get(n) and rank in tracker.owners[n]]
+        inc = [n for n in names if views[peer].counts.get(n) and rank in tracker.owners[n] and n not in direct]
         if inc:
             buf = torch.empty(sum(patch_bytes(views[peer].counts[n], dtypes[n]) for n in inc),
                               dtype=torch.uint8, device=device)
             posts.append(Post(True, peer, buf))
             recvs.append((peer, inc, buf))
+        for n, order in direct.items():  # after the packed message, in name order, on both ends
+            if n in mine and peer in tracker.owners[n]:
+                posts += [Post(False, peer, mine[n][0]), Post(False, peer, mine[n][1])]
+            if n in whole:
+                at = _offsets(order)
+                if peer in at:
+                    o, c = at[peer]
+                    posts += [Post(True, peer, whole[n][0][o:o + c]), Post(True, peer, whole[n][1][o:o + c])]
     for n, part in mine.items():
-        if rank in tracker.owners[n]:
+        if n in whole:
+            at = _offsets(direct[n])
+            o, c = at[rank]
+            whole[n][0][o:o + c].copy_(part[0])
+            whole[n][1][o:o + c].copy_(part[1])
+        elif rank in tracker.owners[n]:
             parts.setdefault(n, []).append(part)
+
+
+def _direct_names(tracker: Tracker, names: list[str], views: list[PatchCounts]) -> dict[str, list[tuple[int, int]]]:
+    """The names of a bucket whose holders' changes travel as messages of their own, received in
+    place into the patch's two tensors (no buffer, no merging copy): those of at least
+    ``DIRECT_MIN_BYTES`` of changes whose holders each keep one run of whole rows (FSDP's
+    ``Shard(0)``, an expert's matrices), so their parts in the holders' row order are already
+    ascending. Each such name -> ``(holder, count)`` of the holders with changes, in that order.
+    Every rank derives the same from the agreed plan and counts."""
+    shapes = {name: shape for name, _, shape in tracker.plan.hub}
+    dtypes = {name: dtype for name, dtype, _ in tracker.plan.hub}
+    out: dict[str, list[tuple[int, int]]] = {}
+    for n in names:
+        counts = [(p, views[p.sender].counts.get(n, 0)) for p in tracker.parts.get(n, [])]
+        total = sum(c for _, c in counts)
+        if total == 0 or patch_bytes(total, dtypes[n]) < DIRECT_MIN_BYTES:
+            continue
+        senders = [p.sender for p, _ in counts]
+        if len(set(senders)) != len(senders) or not all(_whole_rows(p.box, shapes[n]) for p, _ in counts):
+            continue
+        out[n] = [(p.sender, c) for p, c in sorted(counts, key=lambda pc: pc[0].box[0].start) if c]
+    return out
+
+
+def _whole_rows(box: Box, shape: tuple[int, ...]) -> bool:
+    """Whether ``box`` is a run of whole rows of a tensor of ``shape`` (one slice of dim 0)."""
+    return bool(box) and isinstance(box[0], slice) and all(
+        isinstance(b, slice) and b.start == 0 and b.stop == n for b, n in zip(box[1:], shape[1:]))
+
+
+def _offsets(order: list[tuple[int, int]]) -> dict[int, tuple[int, int]]:
+    """Each holder's ``(offset, count)`` in a direct name's patch."""
+    out, off = {}, 0
+    for sender, c in order:
+        out[sender] = (off, c)
+        off += c
+    return out
 
 
 def _received_parts(recvs: list[tuple[int, list[str], torch.Tensor]], views: list[PatchCounts],
