@@ -256,16 +256,34 @@ def test_nccl_needs_cuda_and_one_gpu_per_rank(monkeypatch) -> None:
     assert started == []  # nothing was spawned
 
 
-def _what_the_worker_inherited() -> tuple[bool, bool, str]:
-    return "fsdptk.testing._preload" in sys.modules, "peft" in sys.modules, os.environ["CUDA_VISIBLE_DEVICES"]
+def _what_the_worker_inherited() -> tuple[bool, bool, str, int]:
+    import gc
+
+    return ("fsdptk.testing._preload" in sys.modules, "peft" in sys.modules, os.environ["CUDA_VISIBLE_DEVICES"],
+            gc.get_freeze_count())
 
 
 def test_cpu_workers_are_forked_from_the_preloaded_server(world) -> None:
     # this module imports neither peft nor the preload module: the workers have them from the fork
-    # server (tests/conftest.py sets FSDPTK_WORLD_PRELOAD), with the accelerators hidden
+    # server (tests/conftest.py sets FSDPTK_WORLD_PRELOAD), with the accelerators hidden and what
+    # the server imported frozen (their collections leave it alone)
     assert "peft" in os.environ.get("FSDPTK_WORLD_PRELOAD", "").split(",")
-    for preloaded, peft_there, cuda in world(2).run(_what_the_worker_inherited):
+    for preloaded, peft_there, cuda, frozen in world(2).run(_what_the_worker_inherited):
         assert preloaded and peft_there and cuda == ""
+        assert frozen > 100_000  # torch, transformers, PEFT: hundreds of thousands of objects
+
+
+def test_the_preload_module_changes_nothing_outside_the_fork_server() -> None:
+    """Imported by any other process (the doctests walk every module of fsdptk), the preload
+    module neither hides the accelerators nor freezes the collector's objects."""
+    import subprocess
+
+    code = ("import gc, os, fsdptk.testing._preload as p; "
+            "print(gc.get_freeze_count(), os.environ.get('CUDA_VISIBLE_DEVICES', 'unset'), p._in_fork_server())")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["0", "unset", "False"], out.stdout
 
 
 def test_nccl_worlds_and_the_opt_out_spawn(monkeypatch) -> None:

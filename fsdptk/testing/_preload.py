@@ -14,6 +14,9 @@ each worker copied those pages from the server: measured with py-spy on tests/te
 over half of its CPU time was that one ``gc.collect()``. The workers therefore start with a frozen
 count above zero, as a process whose owner froze its objects: ``from_pretrained`` pauses the
 collector during its load there instead of freezing (see ``fsdptk.hf.pretrained._gc_quiet``).
+
+All of it happens only in the fork server: imported anywhere else (``pkgutil.walk_packages`` over
+fsdptk, as the doctests do), the module changes nothing, neither the environment nor the collector.
 """
 
 from __future__ import annotations
@@ -21,21 +24,37 @@ from __future__ import annotations
 import gc
 import importlib
 import os
+import sys
+from types import FrameType
 
-from fsdptk.testing.world import _HIDE_ACCELERATORS
 
-os.environ.update(_HIDE_ACCELERATORS)
+def _in_fork_server() -> bool:
+    """Whether this import runs inside multiprocessing's fork server (its ``main``, preloading)."""
+    suffix = os.path.join("multiprocessing", "forkserver.py")
+    frame: FrameType | None = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "main" and frame.f_code.co_filename.endswith(suffix):
+            return True
+        frame = frame.f_back
+    return False
 
-import torch  # noqa: E402 - after the accelerators are hidden
-import torch.distributed  # noqa: E402,F401
 
-for _name in filter(None, (n.strip() for n in os.environ.get("FSDPTK_WORLD_PRELOAD", "").split(","))):
-    try:
-        importlib.import_module(_name)
-    except ImportError:  # an optional module this environment lacks: the workers import what they use
-        pass
+def _preload() -> None:
+    from fsdptk.testing.world import _HIDE_ACCELERATORS
 
-del torch
+    os.environ.update(_HIDE_ACCELERATORS)
+    import torch  # after the accelerators are hidden
+    import torch.distributed  # noqa: F401
 
-gc.collect()  # what the imports left behind, before the rest is frozen
-gc.freeze()
+    for name in filter(None, (n.strip() for n in os.environ.get("FSDPTK_WORLD_PRELOAD", "").split(","))):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # an optional module this environment lacks: the workers import what they use
+            pass
+    del torch
+    gc.collect()  # what the imports left behind, before the rest is frozen
+    gc.freeze()
+
+
+if _in_fork_server():
+    _preload()
